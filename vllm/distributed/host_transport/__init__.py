@@ -1,0 +1,37 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Same-node host transport: hand payloads between processes by key through
+shared memory (a bounded per-edge host ring plus per-key segments).
+
+Linux only. See ``docs/design/host_transport.md``.
+"""
+
+from vllm.distributed.host_transport.codec import (
+    CorruptFrame,
+    FrameCodec,
+    PayloadTooLarge,
+)
+from vllm.distributed.host_transport.config import (
+    DEFAULT_HOST_RING_BYTES,
+    MAX_HOST_RING_BYTES,
+    MIN_HOST_RING_BYTES,
+    SCOPE_ENV,
+    HostTransportConfig,
+)
+from vllm.distributed.host_transport.connector import HostTransportConnector
+from vllm.distributed.host_transport.discovery import HostTransportError
+from vllm.distributed.host_transport.receiver import receive_payload
+
+__all__ = [
+    "CorruptFrame",
+    "DEFAULT_HOST_RING_BYTES",
+    "FrameCodec",
+    "HostTransportConfig",
+    "HostTransportConnector",
+    "HostTransportError",
+    "MAX_HOST_RING_BYTES",
+    "MIN_HOST_RING_BYTES",
+    "PayloadTooLarge",
+    "SCOPE_ENV",
+    "receive_payload",
+]

@@ -1,0 +1,553 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tensor frames: the wire format shared by the host ring and per-key segments.
+
+A frame is a fixed prefix, a msgpack header and two areas of raw regions::
+
+    [prefix 32 B][header][pad to 64][small area][pad to 64][large area]
+
+The prefix holds a magic, the frame kind, the header length and the sizes of
+both areas. Two kinds exist:
+
+* ``KIND_TFRAME``: the header is the payload tree in msgpack where every tensor,
+  numpy array and typed struct is an extension value. Tensor and array
+  extensions name a region (area, offset, size) instead of carrying bytes, so
+  the data is copied once, straight from the source tensor into the
+  destination (ring slot or segment file).
+* ``KIND_SERIAL``: anything the tree walk cannot express goes through vLLM's
+  ordinary serializer (:class:`vllm.v1.serial_utils.MsgpackEncoder`); its
+  buffers become the regions and the header lists them.
+
+On receipt, the small area is copied into one owned ``bytearray`` that all
+small leaves share, and every leaf of ``large_leaf_bytes`` or more is copied
+into an allocation of its own, so keeping small metadata alive never pins a
+large hidden state. Nothing returned refers to shared memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+MAGIC = b"HTF1"
+KIND_TFRAME = 1
+KIND_SERIAL = 2
+
+PREFIX = struct.Struct("<4sBBHIQQ")
+PREFIX_SIZE = 32
+AREA_ALIGN = 64
+
+# Extension codes of the tensor frame header (never on the plain serializer).
+EXT_TENSOR = 121
+EXT_NDARRAY = 122
+EXT_STRUCT = 123
+# Extension codes added to the ordinary serializer for untyped decoding.
+EXT_SER_TENSOR = 110
+EXT_SER_NDARRAY = 111
+EXT_SER_IMAGE = 112
+_RESERVED_EXT = frozenset(
+    {EXT_TENSOR, EXT_NDARRAY, EXT_STRUCT, EXT_SER_TENSOR, EXT_SER_NDARRAY}
+    | {EXT_SER_IMAGE, 1, 2, 3}
+)
+
+_NDARRAY_KINDS = frozenset("biufcmM")
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+class PayloadTooLarge(ValueError):
+    """A payload or one of its arrays exceeds ``max_payload_bytes``."""
+
+
+class CorruptFrame(ValueError):
+    """A frame failed validation while being decoded."""
+
+
+class _Unsupported(Exception):
+    """The tree walk met a value a tensor frame cannot express."""
+
+
+def _align(n: int, a: int = AREA_ALIGN) -> int:
+    return (n + a - 1) & ~(a - 1)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous, conj/neg-resolved CPU tensor (no copy)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t
+
+
+class EncodedFrame:
+    """An encoded payload, ready to be copied into a ring slot or a file."""
+
+    __slots__ = ("kind", "header", "small", "large", "small_total", "large_total")
+
+    def __init__(
+        self,
+        kind: int,
+        header: bytes,
+        small: list[tuple[int, memoryview]],
+        large: list[tuple[int, memoryview]],
+        small_total: int,
+        large_total: int,
+    ) -> None:
+        self.kind = kind
+        self.header = header
+        self.small = small
+        self.large = large
+        self.small_total = small_total
+        self.large_total = large_total
+
+    @property
+    def small_start(self) -> int:
+        return _align(PREFIX_SIZE + len(self.header))
+
+    @property
+    def large_start(self) -> int:
+        return _align(self.small_start + self.small_total)
+
+    @property
+    def total(self) -> int:
+        return self.large_start + self.large_total
+
+    def write_into(self, dst: memoryview) -> None:
+        """Copy the whole frame into ``dst`` (at least ``total`` bytes)."""
+        hl = len(self.header)
+        PREFIX.pack_into(
+            dst, 0, MAGIC, self.kind, 0, 0, hl, self.small_total, self.large_total
+        )
+        dst[PREFIX_SIZE : PREFIX_SIZE + hl] = self.header
+        base = self.small_start
+        for off, mv in self.small:
+            s = base + off
+            dst[s : s + len(mv)] = mv
+        base = self.large_start
+        for off, mv in self.large:
+            s = base + off
+            dst[s : s + len(mv)] = mv
+
+    def iovecs(self) -> list[Any]:
+        """The frame as a gather list (for ``os.writev``), padding included."""
+        prefix = PREFIX.pack(
+            MAGIC, self.kind, 0, 0, len(self.header), self.small_total, self.large_total
+        )
+        out: list[Any] = [prefix, bytes(PREFIX_SIZE - len(prefix)), self.header]
+        pos = PREFIX_SIZE + len(self.header)
+        for base, regions in (
+            (self.small_start, self.small),
+            (self.large_start, self.large),
+        ):
+            for off, mv in regions:
+                s = base + off
+                if s > pos:
+                    out.append(bytes(s - pos))
+                out.append(mv)
+                pos = s + len(mv)
+        if self.total > pos:
+            out.append(bytes(self.total - pos))
+        return out
+
+
+class _TreeWalker:
+    """Turns a payload tree into a frame header and a list of regions."""
+
+    def __init__(self, limit: int, large_leaf_bytes: int) -> None:
+        self.limit = limit
+        self.large_leaf_bytes = large_leaf_bytes
+        self.small: list[tuple[int, memoryview]] = []
+        self.large: list[tuple[int, memoryview]] = []
+        self.small_total = 0
+        self.large_total = 0
+        self.meta = msgspec.msgpack.Encoder()
+
+    def _region(self, mv: memoryview) -> tuple[int, int]:
+        n = len(mv)
+        if n >= self.large_leaf_bytes:
+            off = self.large_total
+            self.large.append((off, mv))
+            self.large_total = _align(off + n)
+            return 1, off
+        off = self.small_total
+        self.small.append((off, mv))
+        self.small_total = _align(off + n, 16)
+        return 0, off
+
+    def _check_size(self, nbytes: int) -> None:
+        if nbytes > self.limit or (
+            self.small_total + self.large_total + nbytes > self.limit
+        ):
+            raise PayloadTooLarge(
+                f"array of {nbytes} bytes exceeds max_payload_bytes={self.limit}"
+            )
+
+    def walk(self, obj: Any) -> Any:
+        t = type(obj)
+        if t in _SCALARS:
+            return obj
+        if t is dict:
+            return {k: self.walk(v) for k, v in obj.items()}
+        if t is list or t is tuple:
+            return [self.walk(v) for v in obj]
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, np.ndarray):
+            return self._ndarray(obj)
+        if isinstance(obj, msgspec.Struct):
+            return self._struct(obj)
+        if t is msgspec.msgpack.Ext and obj.code not in _RESERVED_EXT:
+            return obj
+        raise _Unsupported(t)
+
+    def _tensor(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            raise _Unsupported(type(t))
+        nbytes = t.numel() * t.element_size()
+        self._check_size(nbytes)  # before any snapshot copy
+        area, off = 0, 0
+        if nbytes:
+            area, off = self._region(_tensor_bytes(_materialize(t)))
+        dtype = str(t.dtype).removeprefix("torch.")
+        return msgspec.msgpack.Ext(
+            EXT_TENSOR, self.meta.encode((dtype, tuple(t.shape), area, off, nbytes))
+        )
+
+    def _ndarray(self, a: np.ndarray) -> msgspec.msgpack.Ext:
+        if a.dtype.kind not in _NDARRAY_KINDS or a.dtype.hasobject:
+            raise _Unsupported(type(a))
+        self._check_size(a.nbytes)  # before any snapshot copy
+        area, off = 0, 0
+        if a.nbytes:
+            c = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+            area, off = self._region(memoryview(c.reshape(-1).view(np.uint8)))
+        return msgspec.msgpack.Ext(
+            EXT_NDARRAY,
+            self.meta.encode((a.dtype.str, a.shape, area, off, a.nbytes)),
+        )
+
+    def _struct(self, s: msgspec.Struct) -> msgspec.msgpack.Ext:
+        cls = type(s)
+        fields = [self.walk(getattr(s, f)) for f in cls.__struct_fields__]
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        return msgspec.msgpack.Ext(EXT_STRUCT, self.meta.encode((path, fields)))
+
+
+class _SerialEncoder(MsgpackEncoder):
+    """vLLM's ordinary serializer, with tensors, arrays and images tagged so an
+    untyped receiver can rebuild them. Buffers of every array go out of band."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(size_threshold=256)
+        self.limit = limit
+        self._inner = msgspec.msgpack.Encoder()
+
+    def enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            nbytes = obj.numel() * obj.element_size()
+            if nbytes > self.limit:
+                raise PayloadTooLarge(f"tensor of {nbytes} bytes is too large")
+            enc = self._encode_tensor(_materialize(obj))
+            return msgspec.msgpack.Ext(EXT_SER_TENSOR, self._inner.encode(enc))
+        if isinstance(obj, np.ndarray) and obj.dtype.kind not in ("O", "V"):
+            if obj.nbytes > self.limit:
+                raise PayloadTooLarge(f"array of {obj.nbytes} bytes is too large")
+            enc = self._encode_ndarray(obj)
+            return msgspec.msgpack.Ext(EXT_SER_NDARRAY, self._inner.encode(enc))
+        if _is_pil_image(obj):
+            arr = np.asarray(obj)
+            enc = self._encode_ndarray(arr)
+            payload = (obj.mode, tuple(obj.size), enc)
+            return msgspec.msgpack.Ext(EXT_SER_IMAGE, self._inner.encode(payload))
+        return super().enc_hook(obj)
+
+
+class _SerialDecoder(MsgpackDecoder):
+    """Decoder matching :class:`_SerialEncoder`; unknown extension values are
+    returned as ``msgspec.msgpack.Ext`` so user extensions survive."""
+
+    def __init__(self) -> None:
+        super().__init__(share_mem=True)
+        self._inner = msgspec.msgpack.Decoder(ext_hook=self.ext_hook)
+
+    def ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == EXT_SER_TENSOR:
+            return self._decode_tensor(self._inner.decode(data))
+        if code == EXT_SER_NDARRAY:
+            arr = self._decode_ndarray(self._inner.decode(data))
+            arr.flags.writeable = False
+            return arr
+        if code == EXT_SER_IMAGE:
+            from PIL import Image
+
+            mode, size, enc = self._inner.decode(data)
+            arr = self._decode_ndarray(enc)
+            img = Image.fromarray(np.array(arr))
+            return img if img.mode == mode else img.convert(mode)
+        if code in (1, 2, 3):
+            return super().ext_hook(code, data)
+        return msgspec.msgpack.Ext(code, bytes(data))
+
+
+def _is_pil_image(obj: Any) -> bool:
+    mod = type(obj).__module__
+    if not mod.startswith("PIL."):
+        return False
+    from PIL import Image
+
+    return isinstance(obj, Image.Image)
+
+
+class FrameCodec:
+    """Encodes payloads into frames and decodes frames into owned objects.
+
+    Not thread-safe: a connector keeps one codec for sending and one for
+    receiving, each used under its own lock.
+    """
+
+    def __init__(self, max_payload_bytes: int, large_leaf_bytes: int) -> None:
+        self.limit = max_payload_bytes
+        self.large_leaf_bytes = large_leaf_bytes
+        self._header_enc = msgspec.msgpack.Encoder()
+        self._header_dec = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
+        self._meta_dec = msgspec.msgpack.Decoder()
+        self._serial_enc: _SerialEncoder | None = None
+        self._serial_dec: _SerialDecoder | None = None
+        self.serial_fallbacks = 0
+        # Decode state (valid only during one decode call).
+        self._src: memoryview | None = None
+        self._small: bytearray | None = None
+        self._large_start = 0
+        self.last_size = 0
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, obj: Any) -> EncodedFrame:
+        """Encode ``obj``; raises :class:`PayloadTooLarge` or ``TypeError``."""
+        walker = _TreeWalker(self.limit, self.large_leaf_bytes)
+        try:
+            tree = walker.walk(obj)
+            header = self._header_enc.encode(tree)
+        except _Unsupported:
+            return self._encode_serial(obj)
+        except (TypeError, OverflowError, msgspec.EncodeError):
+            return self._encode_serial(obj)
+        return EncodedFrame(
+            KIND_TFRAME,
+            header,
+            walker.small,
+            walker.large,
+            walker.small_total,
+            walker.large_total,
+        )
+
+    def _encode_serial(self, obj: Any) -> EncodedFrame:
+        if self._serial_enc is None:
+            self._serial_enc = _SerialEncoder(self.limit)
+        try:
+            bufs = self._serial_enc.encode(obj)
+        except PayloadTooLarge:
+            raise
+        except Exception as e:
+            raise TypeError(f"payload of type {type(obj)} is not serializable") from e
+        self.serial_fallbacks += 1
+        small: list[tuple[int, memoryview]] = []
+        large: list[tuple[int, memoryview]] = []
+        small_total = large_total = 0
+        table = []
+        for b in bufs:
+            mv = memoryview(b).cast("B")
+            n = len(mv)
+            if n >= self.large_leaf_bytes:
+                table.append((1, large_total, n))
+                large.append((large_total, mv))
+                large_total = _align(large_total + n)
+            else:
+                table.append((0, small_total, n))
+                small.append((small_total, mv))
+                small_total = _align(small_total + n, 16)
+        if small_total + large_total > self.limit:
+            raise PayloadTooLarge("payload exceeds max_payload_bytes")
+        header = self._header_enc.encode(table)
+        return EncodedFrame(KIND_SERIAL, header, small, large, small_total, large_total)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, src: memoryview) -> Any:
+        """Decode the frame at the start of ``src`` into owned objects.
+
+        ``src`` may be shared memory; everything returned is a copy. Raises
+        :class:`CorruptFrame` for anything that fails validation.
+        """
+        if len(src) < PREFIX_SIZE:
+            raise CorruptFrame("frame shorter than its prefix")
+        magic, kind, _flags, _rsv, hl, small_total, large_total = PREFIX.unpack_from(
+            src
+        )
+        if magic != MAGIC:
+            raise CorruptFrame("bad frame magic")
+        small_start = _align(PREFIX_SIZE + hl)
+        large_start = _align(small_start + small_total)
+        if large_start + large_total > len(src):
+            raise CorruptFrame("frame extends beyond its slot")
+        header = src[PREFIX_SIZE : PREFIX_SIZE + hl]
+        self.last_size = large_start + large_total
+        try:
+            if kind == KIND_TFRAME:
+                self._src = src
+                self._small = (
+                    bytearray(src[small_start : small_start + small_total])
+                    if small_total
+                    else None
+                )
+                self._large_start = large_start
+                try:
+                    return self._header_dec.decode(header)
+                finally:
+                    self._src = None
+                    self._small = None
+            if kind == KIND_SERIAL:
+                return self._decode_serial(src, header, small_start, large_start)
+        except CorruptFrame:
+            raise
+        except Exception as e:
+            raise CorruptFrame(f"frame failed to decode: {e!r}") from e
+        raise CorruptFrame(f"unknown frame kind {kind}")
+
+    def _decode_serial(
+        self, src: memoryview, header: memoryview, small_start: int, large_start: int
+    ) -> Any:
+        table = self._meta_dec.decode(header)
+        bufs: list[Any] = []
+        for i, (area, off, n) in enumerate(table):
+            s = (large_start if area else small_start) + off
+            if s + n > len(src):
+                raise CorruptFrame("region beyond frame")
+            # The main buffer is immutable (inline numpy arrays stay
+            # read-only); out-of-band buffers are owned and writable.
+            bufs.append(bytes(src[s : s + n]) if i == 0 else bytearray(src[s : s + n]))
+        if not bufs:
+            raise CorruptFrame("empty serializer frame")
+        if self._serial_dec is None:
+            self._serial_dec = _SerialDecoder()
+        return self._serial_dec.decode(bufs)
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == EXT_TENSOR:
+            return self._decode_tensor(data)
+        if code == EXT_NDARRAY:
+            return self._decode_ndarray(data)
+        if code == EXT_STRUCT:
+            return self._decode_struct(data)
+        return msgspec.msgpack.Ext(code, bytes(data))
+
+    def _region(self, area: int, off: int, nbytes: int) -> tuple[Any, int]:
+        if area == 0:
+            small = self._small
+            if small is None or off < 0 or off + nbytes > len(small):
+                raise CorruptFrame("small region out of bounds")
+            return small, off
+        src = self._src
+        assert src is not None
+        s = self._large_start + off
+        if off < 0 or s + nbytes > len(src):
+            raise CorruptFrame("large region out of bounds")
+        return src, s
+
+    def _decode_tensor(self, data: memoryview) -> torch.Tensor:
+        dtype_name, shape, area, off, nbytes = self._meta_dec.decode(data)
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptFrame(f"unknown dtype {dtype_name!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = dtype.itemsize
+        if numel * itemsize != nbytes:
+            raise CorruptFrame("tensor size does not match its shape")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        buf, s = self._region(area, off, nbytes)
+        if area == 0:
+            return torch.frombuffer(buf, dtype=dtype, count=numel, offset=s).view(shape)
+        out = torch.empty(shape, dtype=dtype)
+        dst = out.reshape(-1).view(torch.uint8).numpy()
+        memoryview(dst)[:] = buf[s : s + nbytes]
+        return out
+
+    def _decode_ndarray(self, data: memoryview) -> np.ndarray:
+        dtype_str, shape, area, off, nbytes = self._meta_dec.decode(data)
+        dtype = np.dtype(dtype_str)
+        if dtype.kind not in _NDARRAY_KINDS:
+            raise CorruptFrame(f"bad array dtype {dtype_str!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * dtype.itemsize != nbytes:
+            raise CorruptFrame("array size does not match its shape")
+        if nbytes == 0:
+            arr = np.empty(shape, dtype=dtype)
+        else:
+            buf, s = self._region(area, off, nbytes)
+            if area == 0:
+                arr = np.frombuffer(buf, dtype=dtype, count=numel, offset=s)
+                arr = arr.reshape(shape)
+            else:
+                arr = np.empty(shape, dtype=dtype)
+                memoryview(arr.reshape(-1).view(np.uint8))[:] = buf[s : s + nbytes]
+        arr.flags.writeable = False
+        return arr
+
+    def _decode_struct(self, data: memoryview) -> msgspec.Struct:
+        path, fields = self._header_dec.decode(data)
+        mod_name, _, qualname = path.partition(":")
+        try:
+            obj: Any = importlib.import_module(mod_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise CorruptFrame(f"unknown struct type {path!r}") from e
+        if not (isinstance(obj, type) and issubclass(obj, msgspec.Struct)):
+            raise CorruptFrame(f"{path!r} is not a msgspec.Struct")
+        names = obj.__struct_fields__
+        if len(names) != len(fields):
+            raise CorruptFrame(f"field count mismatch for {path!r}")
+        return obj(**dict(zip(names, fields)))
+
+
+def write_frame_to_fd(fd: int, frame: EncodedFrame) -> None:
+    """Write a whole frame to a file descriptor with gathered writes."""
+    iov: Sequence[Any] = frame.iovecs()
+    iov_max = 512
+    i = 0
+    while i < len(iov):
+        chunk = list(iov[i : i + iov_max])
+        want = sum(len(memoryview(b)) for b in chunk)
+        done = os.writev(fd, chunk)
+        if done < want:
+            # Short write: finish this chunk piece by piece.
+            skip = done
+            for b in chunk:
+                mv = memoryview(b).cast("B")
+                if skip >= len(mv):
+                    skip -= len(mv)
+                    continue
+                mv = mv[skip:]
+                skip = 0
+                while mv:
+                    mv = mv[os.write(fd, mv) :]
+        i += iov_max

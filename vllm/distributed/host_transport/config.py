@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Configuration of the same-node host transport."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+KIB = 1024
+MIB = 1024 * KIB
+
+DEFAULT_HOST_RING_BYTES = 4 * MIB
+MIN_HOST_RING_BYTES = 4 * KIB
+MAX_HOST_RING_BYTES = 64 * MIB
+
+#: Environment variable a launcher sets to give every process of one deployment
+#: the same scope (and therefore the same shared-memory directory).
+SCOPE_ENV = "VLLM_HOST_TRANSPORT_SCOPE"
+
+
+@dataclass(frozen=True)
+class HostTransportConfig:
+    """Settings of one host-transport connector."""
+
+    host_ring_bytes: int = DEFAULT_HOST_RING_BYTES
+    """Capacity of each per-(producer, edge) host ring in bytes. 0 disables the
+    ring for this connector's puts (everything goes through per-key segments);
+    otherwise it must lie between 4 KiB and 64 MiB and be a multiple of 64."""
+
+    scope: str | None = None
+    """Deployment scope. Every process that should see each other's payloads
+    uses the same scope. ``None`` reads ``VLLM_HOST_TRANSPORT_SCOPE`` and, when
+    that is unset, derives one from the session id of the calling process."""
+
+    shm_root: str = "/dev/shm"
+    """Directory of the shared-memory mount that holds the scope directory."""
+
+    max_payload_bytes: int = 1 << 30
+    """Largest payload (and largest single array) accepted by ``put``. Larger
+    arrays are rejected before any copy of them is made."""
+
+    large_leaf_bytes: int = 64 * KIB
+    """Tensor leaves of at least this size get their own allocation on receipt;
+    smaller leaves share one owned buffer."""
+
+    def __post_init__(self) -> None:
+        ring = self.host_ring_bytes
+        if not isinstance(ring, int) or isinstance(ring, bool):
+            raise TypeError("host_ring_bytes must be an int")
+        if ring != 0 and not (MIN_HOST_RING_BYTES <= ring <= MAX_HOST_RING_BYTES):
+            raise ValueError(
+                "host_ring_bytes must be 0 (disabled) or between "
+                f"{MIN_HOST_RING_BYTES} and {MAX_HOST_RING_BYTES}, got {ring}"
+            )
+        if ring % 64:
+            raise ValueError("host_ring_bytes must be a multiple of 64")
+        if self.max_payload_bytes <= 0:
+            raise ValueError("max_payload_bytes must be positive")
+        if self.large_leaf_bytes <= 0:
+            raise ValueError("large_leaf_bytes must be positive")
+        if self.scope is not None and not self.scope:
+            raise ValueError("scope must be a non-empty string or None")
+
+    @property
+    def ring_enabled(self) -> bool:
+        return self.host_ring_bytes > 0
+
+    def resolved_scope(self) -> str:
+        """The scope this connector uses (explicit, environment, derived)."""
+        if self.scope is not None:
+            return self.scope
+        env = os.environ.get(SCOPE_ENV)
+        if env:
+            return env
+        return f"sid-{os.getsid(0)}"

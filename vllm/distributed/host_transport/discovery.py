@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Scope directory, directory stamp, producer identity and liveness."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
+import re
+import select
+import stat
+import sys
+import threading
+import time
+
+STAMP_FILE = "stamp"
+STAMP_SIZE = 4096
+STAMP_MAGIC = 0x31504D5453544856  # "VHTSTMP1"
+# Indexes into the stamp file viewed as an array of u64 (one cache line each).
+Q_MAGIC = 0
+Q_STAMP = 8
+Q_PK_TOKEN = 16
+
+RING_NAME_RE = re.compile(r"^ring-([0-9a-f]{16})-([0-9]{1,10})-([0-9]{1,20})$")
+
+
+class HostTransportError(RuntimeError):
+    """The transport cannot work in this environment."""
+
+
+def check_platform() -> None:
+    if not sys.platform.startswith("linux"):
+        raise HostTransportError(
+            "the host transport needs Linux (shared memory under /dev/shm, "
+            f"flock, pidfd); this platform is {sys.platform!r}"
+        )
+
+
+def hex_name(*parts: str | bytes, size: int = 16) -> str:
+    """A fixed-width hex name for untrusted strings (never used as a path)."""
+    h = hashlib.blake2b(digest_size=size // 2)
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, ``None`` if gone."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rpar = data.rfind(b")")
+    fields = data[rpar + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+_self_identity: tuple[int, int] | None = None
+
+
+def self_identity() -> tuple[int, int]:
+    """(pid, start time) of this process; recomputed after a fork."""
+    global _self_identity
+    pid = os.getpid()
+    if _self_identity is None or _self_identity[0] != pid:
+        start = process_start_time(pid)
+        if start is None:
+            raise HostTransportError("cannot read /proc/self/stat")
+        _self_identity = (pid, start)
+    return _self_identity
+
+
+class ProducerLiveness:
+    """Tracks whether one producer process (pid + start time) is alive.
+
+    Uses a pidfd where the kernel offers one: it refers to exactly the process
+    it was opened for, so a restarted producer with a reused pid can never be
+    mistaken for the original. Without pidfd, the start time is re-read.
+    """
+
+    def __init__(self, pid: int, start: int) -> None:
+        self.pid = pid
+        self.start = start
+        self._pidfd: int | None = None
+        self._poll: select.poll | None = None
+        self._dead = False
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is not None:
+            try:
+                self._pidfd = pidfd_open(pid)
+            except ProcessLookupError:
+                self._dead = True
+                return
+            except OSError:
+                self._pidfd = None
+        # Verify the identity after opening the pidfd (guards pid reuse).
+        if process_start_time(pid) != start:
+            self._dead = True
+            self.close()
+            return
+        if self._pidfd is not None:
+            self._poll = select.poll()
+            self._poll.register(self._pidfd, select.POLLIN)
+
+    def alive(self) -> bool:
+        if self._dead:
+            return False
+        if self._poll is not None:
+            if self._poll.poll(0):
+                self._dead = True
+        elif process_start_time(self.pid) != self.start:
+            self._dead = True
+        return not self._dead
+
+    def close(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        self._poll = None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def producer_alive(pid: int, start: int) -> bool:
+    """One-shot liveness check (no descriptor kept)."""
+    return process_start_time(pid) == start
+
+
+class ScopeDir:
+    """The per-user, per-deployment directory and its stamp file."""
+
+    def __init__(self, root: str, scope: str) -> None:
+        check_platform()
+        self.uid = os.getuid()
+        self.name = f"vllm-ht-{self.uid}-{hex_name(scope)}"
+        self.path = os.path.join(root, self.name)
+        self.fd = -1
+        self.stamp_fd = -1
+        self._mm: mmap.mmap | None = None
+        self.q: memoryview | None = None
+        self._pk_counter = 0
+        self._pk_lock = threading.Lock()
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.name, 0o700, dir_fd=root_fd)
+            self.fd = os.open(
+                self.name,
+                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                dir_fd=root_fd,
+            )
+        finally:
+            os.close(root_fd)
+        st = os.fstat(self.fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != self.uid:
+            self.close()
+            raise HostTransportError(f"{self.path} is not a directory owned by us")
+        if st.st_mode & 0o077:
+            self.close()
+            raise HostTransportError(f"{self.path} is accessible to other users")
+        self._open_stamp()
+
+    # -------------------------------------------------------------- stamp
+    def _open_stamp(self) -> None:
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(STAMP_FILE, flags, dir_fd=self.fd)
+        except FileNotFoundError:
+            fd = self._create_stamp()
+        try:
+            st = os.fstat(fd)
+            if st.st_size < STAMP_SIZE or st.st_uid != self.uid:
+                raise HostTransportError("stamp file is not valid")
+            mm = mmap.mmap(fd, STAMP_SIZE)
+        except Exception:
+            os.close(fd)
+            raise
+        self.stamp_fd = fd
+        self._mm = mm
+        self.q = memoryview(mm).cast("Q")
+        if self.q[Q_MAGIC] != STAMP_MAGIC:
+            self.close()
+            raise HostTransportError("stamp file has a bad magic")
+
+    def _create_stamp(self) -> int:
+        tmp = f".tmp-stamp-{os.getpid()}-{threading.get_ident()}"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=self.fd)
+        try:
+            os.posix_fallocate(fd, 0, STAMP_SIZE)
+            with mmap.mmap(fd, STAMP_SIZE) as mm:
+                q = memoryview(mm).cast("Q")
+                q[Q_STAMP] = time.time_ns()
+                q[Q_MAGIC] = STAMP_MAGIC
+                q.release()
+            try:
+                os.link(tmp, STAMP_FILE, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            except FileExistsError:
+                os.close(fd)
+                fd = os.open(
+                    STAMP_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd
+                )
+        except Exception:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+        return fd
+
+    def read_stamp(self) -> int:
+        q = self.q
+        return q[Q_STAMP] if q is not None else 0
+
+    def advance_stamp(self) -> int:
+        """Move the directory stamp strictly forward (even with a frozen or
+        backwards clock). Serialised by a lock on the stamp file; only
+        registrations and retirements call it."""
+        q = self.q
+        if q is None:
+            raise HostTransportError("stamp file is closed")
+        fcntl.flock(self.stamp_fd, fcntl.LOCK_EX)
+        try:
+            new = max(q[Q_STAMP] + 1, time.time_ns())
+            q[Q_STAMP] = new
+            return new
+        finally:
+            fcntl.flock(self.stamp_fd, fcntl.LOCK_UN)
+
+    def read_pk_token(self) -> int:
+        q = self.q
+        return q[Q_PK_TOKEN] if q is not None else -1
+
+    def bump_pk_token(self) -> None:
+        """Announce a per-key publication. Lock-free: every write stores a value
+        no other write of any process stores (pid, counter), so a receiver that
+        read the token before its probe sees a change afterwards."""
+        q = self.q
+        if q is None:
+            return
+        with self._pk_lock:
+            self._pk_counter += 1
+            q[Q_PK_TOKEN] = (os.getpid() << 40) | (self._pk_counter & ((1 << 40) - 1))
+
+    def list_rings(self) -> list[str]:
+        return [n for n in os.listdir(self.fd) if n.startswith("ring-")]
+
+    def close(self) -> None:
+        q, self.q = self.q, None
+        if q is not None:
+            q.release()
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            mm.close()
+        for attr in ("stamp_fd", "fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)

@@ -1,0 +1,387 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The host ring: one bounded shared-memory ring per (producer process, edge).
+
+Layout of the ring file (``ring-<edge>-<pid>-<start>`` in the scope dir)::
+
+    [header 4096 B][data: capacity bytes]
+
+Header, as u64 slots (each hot field on its own cache line)::
+
+    q[0]  magic            q[1] version      q[2] capacity
+    q[3]  producer pid     q[4] start time   q[5..6] edge id (16 hex chars)
+    q[8]  head   (absolute byte position after the last published frame)
+    q[16] tail   (absolute position before which every frame is finished)
+    q[24] closed (1 once the producer has retired the ring)
+
+Positions are absolute and only grow; a frame lives at ``pos % capacity``.
+Every frame is 64-byte aligned and starts with a 32-byte record::
+
+    u32 length | u8 state | 3 B pad | u64 absolute position | 16 B key hash
+
+followed by a tensor frame (see :mod:`.codec`). A frame never wraps: when it
+does not fit before the end of the data area the producer writes a ``PAD``
+record up to the end and continues at offset 0.
+
+States: ``WRITING`` (0) while the producer copies, ``READY`` (1) once the
+frame is complete, ``DONE`` (2) once a receiver took it, ``RETIRED`` (3) when
+the producer withdrew it, ``PAD`` (4). Only the producer moves ``head`` and
+``tail``; receivers only flip a ``READY`` byte, under the ring lock (an
+``flock`` on the ring file, always taken non-blocking).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import struct
+import time
+from typing import Any
+
+from vllm.distributed.host_transport.codec import CorruptFrame, EncodedFrame
+
+RING_MAGIC = 0x31474E4952544856  # "VHTRING1"
+RING_VERSION = 1
+HEADER_SIZE = 4096
+Q_MAGIC, Q_VERSION, Q_CAP, Q_PID, Q_START, Q_EDGE = 0, 1, 2, 3, 4, 5
+Q_HEAD = 8
+Q_TAIL = 16
+Q_CLOSED = 24
+
+FRAME = struct.Struct("<IB3xQ16s")
+FRAME_HDR = 32
+FRAME_ALIGN = 64
+STATE_OFF = 4
+
+WRITING, READY, DONE, RETIRED, PAD = 0, 1, 2, 3, 4
+
+# Results of a claim that are not a payload.
+BUSY = object()  # ring lock held elsewhere; try again
+GONE = object()  # not there (claimed, retired, overwritten)
+CORRUPT = object()  # frame failed validation; counted and consumed
+DEAD = object()  # producer exited or was restarted
+
+
+def frame_size(payload_total: int) -> int:
+    return (FRAME_HDR + payload_total + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+
+
+def _edge_words(edge_hex: str) -> tuple[int, int]:
+    b = bytes.fromhex(edge_hex)
+    return int.from_bytes(b[:4], "little"), int.from_bytes(b[4:8], "little")
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            return False
+        raise
+    return True
+
+
+class ProducerRing:
+    """The producer's side of one ring. Only the producer writes frames and
+    moves ``head``/``tail``; it owns and finally unlinks the file."""
+
+    def __init__(
+        self,
+        dir_fd: int,
+        edge_hex: str,
+        capacity: int,
+        pid: int,
+        start: int,
+    ) -> None:
+        self.dir_fd = dir_fd
+        self.capacity = capacity
+        self.name = f"ring-{edge_hex}-{pid}-{start}"
+        self.fd = -1
+        self._mm: mmap.mmap | None = None
+        self._mv: memoryview | None = None
+        self._q: memoryview | None = None
+        self.head = 0
+        self.tail = 0
+        self.registered = False
+        tmp = f".tmp-{self.name}"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+        try:
+            size = HEADER_SIZE + capacity
+            # Reserve the pages now: a full /dev/shm fails here with ENOSPC
+            # instead of a SIGBUS on first touch.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        self.fd = fd
+        self._mm = mm
+        self._mv = memoryview(mm)
+        q = self._mv[:HEADER_SIZE].cast("Q")
+        self._q = q
+        e0, e1 = _edge_words(edge_hex)
+        q[Q_VERSION] = RING_VERSION
+        q[Q_CAP] = capacity
+        q[Q_PID] = pid
+        q[Q_START] = start
+        q[Q_EDGE] = e0
+        q[Q_EDGE + 1] = e1
+        q[Q_HEAD] = 0
+        q[Q_TAIL] = 0
+        q[Q_MAGIC] = RING_MAGIC  # last: the header is complete
+        try:
+            # Publication: the final name is the registration marker.
+            os.rename(tmp, self.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            self.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        self.registered = True
+
+    # ----------------------------------------------------------------- write
+    def try_put(self, key_hash: bytes, frame: EncodedFrame) -> int | None:
+        """Copy ``frame`` into the ring; the absolute position, or ``None``
+        when it is larger than a quarter of the ring or the ring is full."""
+        mv = self._mv
+        q = self._q
+        if mv is None or q is None:
+            return None
+        cap = self.capacity
+        need = frame_size(frame.total)
+        if need > cap // 4:
+            return None
+        head = self.head
+        off = head % cap
+        pad = cap - off if off + need > cap else 0
+        if head + pad + need - self.tail > cap:
+            self.reclaim()
+            if head + pad + need - self.tail > cap:
+                return None
+        base = HEADER_SIZE
+        if pad:
+            FRAME.pack_into(mv, base + off, pad, PAD, head, b"\0" * 16)
+            head += pad
+            off = 0
+        FRAME.pack_into(mv, base + off, need, WRITING, head, key_hash)
+        frame.write_into(mv[base + off + FRAME_HDR : base + off + need])
+        mv[base + off + STATE_OFF] = READY
+        self.head = head + need
+        q[Q_HEAD] = self.head  # publication point
+        return head
+
+    def reclaim(self) -> None:
+        """Advance ``tail`` over finished frames (DONE, RETIRED, PAD)."""
+        mv = self._mv
+        q = self._q
+        if mv is None or q is None:
+            return
+        cap = self.capacity
+        tail = self.tail
+        while tail < self.head:
+            off = tail % cap
+            length, state, pos, _ = FRAME.unpack_from(mv, HEADER_SIZE + off)
+            if pos != tail or length < FRAME_HDR or off + length > cap:
+                break  # cannot happen unless the file was tampered with
+            if state in (DONE, RETIRED, PAD):
+                tail += length
+            else:
+                break
+        if tail != self.tail:
+            self.tail = tail
+            q[Q_TAIL] = tail
+
+    def retire(self, pos: int, key_hash: bytes, wait_s: float = 0.05) -> bool:
+        """Withdraw the READY frame at ``pos``. Returns whether it was still
+        unclaimed. Waits at most ``wait_s`` for the ring lock."""
+        mv = self._mv
+        if mv is None or pos < self.tail or pos >= self.head:
+            return False
+        deadline = time.monotonic() + wait_s
+        while not _try_lock(self.fd):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)
+        try:
+            off = HEADER_SIZE + pos % self.capacity
+            _, state, fpos, kh = FRAME.unpack_from(mv, off)
+            if fpos != pos or state != READY or kh != key_hash:
+                return False
+            mv[off + STATE_OFF] = RETIRED
+            return True
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def used_bytes(self) -> int:
+        return self.head - self.tail
+
+    def close(self, unlink: bool = True) -> None:
+        q = self._q
+        if q is not None:
+            q[Q_CLOSED] = 1
+        if unlink and self.registered:
+            self.registered = False
+            with contextlib.suppress(OSError):
+                os.unlink(self.name, dir_fd=self.dir_fd)
+        for attr in ("_q", "_mv"):
+            v = getattr(self, attr)
+            setattr(self, attr, None)
+            if v is not None:
+                v.release()
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            mm.close()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class RingView:
+    """A receiver's mapping of one producer's ring, with a private index of
+    the READY frames it has seen (key hash -> absolute position)."""
+
+    def __init__(
+        self, dir_fd: int, name: str, edge_hex: str, pid: int, start: int
+    ) -> None:
+        self.name = name
+        self.pid = pid
+        self.start = start
+        self.fd = -1
+        self._mm: mmap.mmap | None = None
+        self.mv: memoryview | None = None
+        self.q: memoryview | None = None
+        self.cursor = 0
+        self.index: dict[bytes, int] = {}
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_size <= HEADER_SIZE:
+                raise CorruptFrame(f"ring {name} has a bad owner or size")
+            mm = mmap.mmap(fd, st.st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self._mm = mm
+        self.mv = memoryview(mm)
+        self.q = self.mv[:HEADER_SIZE].cast("Q")
+        q = self.q
+        e0, e1 = _edge_words(edge_hex)
+        if (
+            q[Q_MAGIC] != RING_MAGIC
+            or q[Q_VERSION] != RING_VERSION
+            or q[Q_CAP] != st.st_size - HEADER_SIZE
+            or q[Q_CAP] % FRAME_ALIGN
+            or q[Q_PID] != pid
+            or q[Q_START] != start
+            or q[Q_EDGE] != e0
+            or q[Q_EDGE + 1] != e1
+        ):
+            self.close()
+            raise CorruptFrame(f"ring {name} has an invalid header")
+        self.capacity = int(q[Q_CAP])
+        self.cursor = int(q[Q_TAIL])
+
+    @property
+    def closed(self) -> bool:
+        q = self.q
+        return q is None or q[Q_CLOSED] != 0
+
+    def scan(self) -> int:
+        """Index frames published since the last scan; returns the number of
+        corrupt records met (the scan skips to ``head`` after one)."""
+        q, mv = self.q, self.mv
+        if q is None or mv is None:
+            return 0
+        head = q[Q_HEAD]
+        tail = q[Q_TAIL]
+        cur = self.cursor
+        if cur < tail:
+            cur = tail
+            if self.index:
+                self.index = {k: p for k, p in self.index.items() if p >= tail}
+        cap = self.capacity
+        corrupt = 0
+        index = self.index
+        while cur < head:
+            off = cur % cap
+            length, state, pos, kh = FRAME.unpack_from(mv, HEADER_SIZE + off)
+            if (
+                pos != cur
+                or length < FRAME_HDR
+                or length % FRAME_ALIGN
+                or off + length > cap
+            ):
+                new_tail = q[Q_TAIL]
+                if new_tail > cur:  # we lagged and the slot was reused
+                    cur = new_tail
+                    continue
+                corrupt += 1
+                cur = head
+                break
+            if state == READY:
+                index[kh] = pos
+            cur += length
+        self.cursor = cur
+        return corrupt
+
+    def claim(self, pos: int, key_hash: bytes, codec: Any) -> Any:
+        """Take the READY frame at ``pos`` for ``key_hash``. Returns the owned
+        payload or one of BUSY, GONE, CORRUPT."""
+        mv = self.mv
+        if mv is None:
+            return GONE
+        if not _try_lock(self.fd):
+            return BUSY
+        try:
+            off = HEADER_SIZE + pos % self.capacity
+            length, state, fpos, kh = FRAME.unpack_from(mv, off)
+            if fpos != pos or state != READY or kh != key_hash:
+                return GONE
+            if (
+                length < FRAME_HDR
+                or (pos % self.capacity) + length > self.capacity
+                or self.q is None
+                or pos + length > self.q[Q_HEAD]
+            ):
+                mv[off + STATE_OFF] = DONE
+                return CORRUPT
+            sub = mv[off + FRAME_HDR : off + length]
+            try:
+                obj = codec.decode(sub)
+            except CorruptFrame:
+                obj = CORRUPT
+            finally:
+                with contextlib.suppress(BufferError):
+                    sub.release()
+            mv[off + STATE_OFF] = DONE
+            return obj
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for attr in ("q", "mv"):
+            v = getattr(self, attr)
+            setattr(self, attr, None)
+            if v is not None:
+                v.release()
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.index = {}
