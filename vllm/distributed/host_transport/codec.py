@@ -433,13 +433,12 @@ class FrameCodec:
     ) -> Any:
         table = self._meta_dec.decode(header)
         bufs: list[Any] = []
-        for i, (area, off, n) in enumerate(table):
+        for area, off, n in table:
             s = (large_start if area else small_start) + off
             if s + n > len(src):
                 raise CorruptFrame("region beyond frame")
-            # The main buffer is immutable (inline numpy arrays stay
-            # read-only); out-of-band buffers are owned and writable.
-            bufs.append(bytes(src[s : s + n]) if i == 0 else bytearray(src[s : s + n]))
+            # Owned copies; numpy arrays are marked read-only on decode.
+            bufs.append(bytearray(src[s : s + n]))
         if not bufs:
             raise CorruptFrame("empty serializer frame")
         if self._serial_dec is None:

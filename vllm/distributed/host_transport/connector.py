@@ -132,6 +132,7 @@ class HostTransportConnector:
             "put_failures": 0,
             "corrupt_frames": 0,
             "dead_producer_frames": 0,
+            "dead_producers_pruned": 0,
             "serializer_fallbacks": 0,
             "discovery_scans": 0,
             "rings_attached": 0,
@@ -520,6 +521,7 @@ class HostTransportConnector:
             liveness = ProducerLiveness(pid, start)
             if not liveness.alive():
                 liveness.close()
+                self._stats["dead_producers_pruned"] += 1
                 self._prune(scope, name)
                 continue
             try:
