@@ -67,15 +67,9 @@ from vllm.distributed.artifact_connector.store import (
     ref_key,
     validate_key,
 )
+from vllm.logger import init_logger
 
-try:
-    from vllm.logger import init_logger
-
-    logger = init_logger(__name__)
-except ImportError:  # pragma: no cover - vllm always present in the fork
-    import logging
-
-    logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 SHM_BASE = "/dev/shm"
 DEFAULT_CAPACITY_BYTES = 8 << 30
@@ -249,11 +243,20 @@ def validate_root(root: str) -> str:
             f"got {root!r}"
         )
     base = _shm_base()
+    norm = os.path.normpath(root)
+    rel = os.path.relpath(norm, SHM_BASE)
     real = os.path.realpath(root)
-    if os.path.commonpath([base, real]) != base or real == base:
+    # The path must be textually under /dev/shm and must not pass through a
+    # symlink below /dev/shm (only /dev/shm itself may be a symlink).
+    if (
+        rel == "."
+        or rel.startswith("..")
+        or real != os.path.join(base, rel)
+        or os.path.commonpath([base, real]) != base
+    ):
         raise UnsafeStoreError(
-            f"artifact store root {root!r} resolves to {real!r}, which is not "
-            f"a directory under {SHM_BASE}; choose e.g. "
+            f"artifact store root {root!r} (resolves to {real!r}) is not a "
+            f"directory under {SHM_BASE} reached without symlinks; choose e.g. "
             f"{SHM_BASE}/vllm-artifacts-{os.geteuid()}"
         )
     return real
@@ -631,9 +634,7 @@ class ShmObjectStore(ObjectStore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreClosedError(
-                f"artifact store {self._namespace or '?'} is closed"
-            )
+            raise StoreClosedError(f"artifact store {self._namespace or '?'} is closed")
 
     def _check_writer(self) -> None:
         self._check_open()
@@ -825,7 +826,7 @@ class ShmObjectStore(ObjectStore):
                 os.close(fd)
             total = sum(len(b) for b in bufs)
             new_aid, off = self._write_objects(bufs, total)
-            for (key, cs, loc), b in zip(moves, bufs):
+            for (key, cs, _loc), b in zip(moves, bufs):
                 records.append(
                     _RECORD.pack(
                         _REC_MOVE, new_aid, bytes.fromhex(key), off, len(b), cs
@@ -895,7 +896,7 @@ class ShmObjectStore(ObjectStore):
                     written[(key, cs)] = _Loc(aid, off, len(mv))
                     off += len(mv)
             refs = []
-            for key, mv, cs, status in plan:
+            for key, mv, cs, _status in plan:
                 loc = written.get((key, cs))
                 if loc is None:
                     e = self._index.entries.get(key)
@@ -916,7 +917,7 @@ class ShmObjectStore(ObjectStore):
             self._append_log(records)
             # Publication is complete; update the in-memory index.
             statuses = []
-            for (key, _mv, cs, status), ref in zip(plan, refs):
+            for key, _mv, cs, status in plan:
                 loc = written.get((key, cs))
                 if loc is not None:
                     self._index.apply(
@@ -1103,7 +1104,7 @@ class ShmObjectStore(ObjectStore):
             np.cumsum(lengths[:-1], out=offsets[1:])
         total = int(lengths.sum()) if n else 0
         data = np.empty(total, np.uint8)
-        out = memoryview(data)
+        out = data.data
         # Merge runs of objects that are adjacent in one arena.
         runs: list[tuple[int, int, int, int]] = []  # arena, src, dst, len
         dst = 0

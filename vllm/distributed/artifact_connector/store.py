@@ -37,7 +37,13 @@ Payload = bytes | bytearray | memoryview
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------
-class ArtifactStoreError(RuntimeError):
+class ArtifactError(RuntimeError):
+    """Base class of every Artifact Connector failure (store, envelope,
+    coverage, buffer). Artifact mode fails closed: callers turn these into a
+    request error, never into a partial or zero-filled result."""
+
+
+class ArtifactStoreError(ArtifactError):
     """Base class of every artifact store failure."""
 
 
@@ -212,7 +218,7 @@ class ObjectBatch:
 
     def view(self, i: int) -> memoryview:
         off = int(self.offsets[i])
-        return memoryview(self.data)[off : off + int(self.lengths[i])]
+        return self.data.data[off : off + int(self.lengths[i])]
 
     def tobytes(self, i: int) -> bytes:
         return bytes(self.view(i))
