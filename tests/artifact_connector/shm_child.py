@@ -63,7 +63,10 @@ def writer(root, ns, nbatches, batch, size, fault_batch, fault_stage, hold):
 
             w._fault_hook = hook
         w.put_many(
-            [(key_of(i), payload_of(i, size)) for i in range(b * batch, (b + 1) * batch)]
+            [
+                (key_of(i), payload_of(i, size))
+                for i in range(b * batch, (b + 1) * batch)
+            ]
         )
         print(f"published {b}", flush=True)
     print("done", flush=True)

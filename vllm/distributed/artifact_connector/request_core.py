@@ -32,6 +32,8 @@ from vllm.distributed.artifact_connector.store import (
     KEY_NBYTES,
     ArtifactError,
     ObjectBatch,
+    ObjectRef,
+    ObjectStore,
     validate_key,
 )
 
@@ -550,3 +552,78 @@ def materialize(
         out_flat[d : d + (j - i) * p].reshape(j - i, p)[...] = src
         i = j
     return out
+
+
+# --------------------------------------------------------------------------
+# Store helpers for the publisher (worker) and the reader (scheduler)
+# --------------------------------------------------------------------------
+def publish_rows(
+    store: ObjectStore,
+    keyspace: KeySpace,
+    spec: RowSpec,
+    block_size: int,
+    first_row: int,
+    rows: np.ndarray,
+    block_hashes: Sequence[bytes],
+    *,
+    first_block_hash_index: int = 0,
+    tail_hash: bytes | None = None,
+    pin: bool = False,
+) -> list[tuple[Segment, ObjectRef]]:
+    """Publish rows ``[first_row, first_row + len(rows))`` (``first_row``
+    block aligned) as full-block objects plus, if ``tail_hash`` is given, a
+    tail for the trailing partial block; without ``tail_hash`` the rows must
+    end on a block boundary. ``block_hashes[i]`` is the hash of block
+    ``first_block_hash_index + i``. One batched put; returns the published
+    segments with their exact versions, in order."""
+    end = first_row + rows.shape[0]
+    if first_row % block_size:
+        raise CoverageError(f"publication must start on a block boundary: {first_row}")
+    if tail_hash is None and end % block_size:
+        raise CoverageError(f"rows end at {end}, inside a block, and no tail hash")
+    b0 = first_row // block_size
+    n_full = end // block_size - b0
+    lo = b0 - first_block_hash_index
+    if lo < 0 or lo + n_full > len(block_hashes):
+        raise CoverageError(
+            f"block hashes for blocks [{b0}, {b0 + n_full}) are not available"
+        )
+    segs = [
+        Segment(
+            keyspace.block_key(block_hashes[lo + i], block_size),
+            (b0 + i) * block_size,
+            block_size,
+            False,
+        )
+        for i in range(n_full)
+    ]
+    tail = end - (b0 + n_full) * block_size
+    if tail:
+        if tail_hash is None:  # pragma: no cover - checked above
+            raise CoverageError("tail rows without a tail hash")
+        segs.append(Segment(keyspace.tail_key(tail_hash, tail), end - tail, tail, True))
+    if not segs:
+        return []
+    result = store.put_many(encode_segments(spec, segs, rows, first_row), pin=pin)
+    return list(zip(segs, result.refs))
+
+
+def read_request(
+    store: ObjectStore,
+    spec: RowSpec,
+    segments: Sequence[Segment],
+    num_rows: int,
+    versions: Sequence[ObjectRef | None] | None = None,
+) -> np.ndarray:
+    """Read and assemble a request's array. ``versions[i]``, when given,
+    names the exact version of ``segments[i]`` (the ones the request itself
+    published); otherwise the key's current version is read (prefix-cache
+    hits)."""
+    check_coverage(segments, num_rows)
+    keys: list[str | ObjectRef] = []
+    for i, s in enumerate(segments):
+        v = versions[i] if versions is not None else None
+        if v is not None and v.key != s.key:
+            raise CoverageError(f"version {i} names key {v.key}, expected {s.key}")
+        keys.append(v if v is not None else s.key)
+    return materialize(spec, segments, store.get_batch(keys), num_rows)
