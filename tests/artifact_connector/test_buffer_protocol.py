@@ -28,7 +28,7 @@ from vllm.distributed.artifact_connector.protocol import (
     FinalizeAck,
     PublishedRef,
 )
-from vllm.distributed.artifact_connector.request_core import RowSpec
+from vllm.distributed.artifact_connector.request_core import EnvelopeError, RowSpec
 
 SPEC = RowSpec(2, 2, np.dtype(np.uint8))
 
@@ -68,7 +68,7 @@ def test_buffer_rules():
         b.finalize(11)
     first, rest = b.finalize(9)
     assert first == 8 and len(rest) == 1
-    with pytest.raises(Exception):
+    with pytest.raises(EnvelopeError):
         b.write(8, np.zeros((1, 3, 2), np.uint8))  # wrong shape
 
 
