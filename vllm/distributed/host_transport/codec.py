@@ -79,9 +79,27 @@ def _align(n: int, a: int = AREA_ALIGN) -> int:
     return (n + a - 1) & ~(a - 1)
 
 
+class _DtypeNames(dict):
+    def __missing__(self, dtype: torch.dtype) -> str:
+        name = str(dtype).removeprefix("torch.")
+        self[dtype] = name
+        return name
+
+
+_DTYPE_NAMES = _DtypeNames()
+# dtypes numpy can view directly (no torch-side reinterpretation needed).
+_NUMPY_OK = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.float16, torch.float32, torch.float64, torch.complex64}
+    | {torch.complex128}
+)
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous, conj/neg-resolved CPU tensor (no copy)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    if t.dtype in _NUMPY_OK:
+        return memoryview(t.numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
@@ -135,11 +153,13 @@ class EncodedFrame:
             dst, 0, MAGIC, self.kind, 0, 0, hl, self.small_total, self.large_total
         )
         dst[PREFIX_SIZE : PREFIX_SIZE + hl] = self.header
-        base = self.small_start
+        base = _align(PREFIX_SIZE + hl)
         for off, mv in self.small:
             s = base + off
             dst[s : s + len(mv)] = mv
-        base = self.large_start
+        if not self.large:
+            return
+        base = _align(base + self.small_total)
         for off, mv in self.large:
             s = base + off
             dst[s : s + len(mv)] = mv
@@ -217,16 +237,21 @@ class _TreeWalker:
         raise _Unsupported(t)
 
     def _tensor(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
-        if t.device.type != "cpu" or t.layout != torch.strided:
+        if not t.is_cpu or t.layout != torch.strided:
             raise _Unsupported(type(t))
-        nbytes = t.numel() * t.element_size()
+        dtype = t.dtype
+        nbytes = t.numel() * dtype.itemsize
         self._check_size(nbytes)  # before any snapshot copy
         area, off = 0, 0
         if nbytes:
-            area, off = self._region(_tensor_bytes(_materialize(t)))
-        dtype = str(t.dtype).removeprefix("torch.")
+            if not (t.is_contiguous() and not t.is_conj() and not t.is_neg()):
+                t = _materialize(t)
+            elif t.requires_grad:
+                t = t.detach()
+            area, off = self._region(_tensor_bytes(t))
         return msgspec.msgpack.Ext(
-            EXT_TENSOR, self.meta.encode((dtype, tuple(t.shape), area, off, nbytes))
+            EXT_TENSOR,
+            self.meta.encode((_DTYPE_NAMES[dtype], t.shape, area, off, nbytes)),
         )
 
     def _ndarray(self, a: np.ndarray) -> msgspec.msgpack.Ext:

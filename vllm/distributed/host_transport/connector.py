@@ -17,6 +17,7 @@ sending (or waiting for a ring lock while sending).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -55,7 +56,31 @@ def _edge_hex(from_stage: Any, to_stage: Any) -> str:
 
 
 def _key_hash(key: str) -> bytes:
-    return bytes.fromhex(hex_name("key", key, size=32))
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+class _KeyNames:
+    """Cache of (key hash, segment name) per (edge, key); names are hashes,
+    never built from the key itself."""
+
+    def __init__(self, limit: int = 1 << 14) -> None:
+        self._cache: dict[tuple[str, str], tuple[bytes, str]] = {}
+        self._limit = limit
+
+    def get(self, edge_hex: str, key: str) -> tuple[bytes, str]:
+        ck = (edge_hex, key)
+        hit = self._cache.get(ck)
+        if hit is None:
+            kb = key.encode()
+            kh = hashlib.blake2b(kb, digest_size=16).digest()
+            seg = hashlib.blake2b(
+                edge_hex.encode() + b"\0" + kb, digest_size=16, person=b"vhtseg"
+            ).hexdigest()
+            hit = (kh, seg)
+            if len(self._cache) >= self._limit:
+                self._cache.clear()
+            self._cache[ck] = hit
+        return hit
 
 
 @dataclass
@@ -118,6 +143,8 @@ class HostTransportConnector:
         self._recv_codec = FrameCodec(
             self.config.max_payload_bytes, self.config.large_leaf_bytes
         )
+        self._send_names = _KeyNames()
+        self._recv_names = _KeyNames()
         self._placements: OrderedDict[str, list[_Placement]] = OrderedDict()
         self._logged_edges: set[str] = set()
         self._stats = {
@@ -181,8 +208,10 @@ class HostTransportConnector:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self.close()
+        except Exception:
+            pass
 
     def _check_open(self) -> ScopeDir:
         scope = self._scope
@@ -228,8 +257,7 @@ class HostTransportConnector:
         size = frame.total
         if size > self.config.max_payload_bytes:
             raise PayloadTooLarge(f"payload of {size} bytes is too large")
-        kh = _key_hash(key)
-        seg_name = hex_name("seg", edge.edge_hex, key, size=32)
+        kh, seg_name = self._send_names.get(edge.edge_hex, key)
         previous = self._placements.pop(key, None)
 
         ring = self._ensure_ring(scope, edge) if self.config.ring_enabled else None
@@ -429,7 +457,7 @@ class HostTransportConnector:
 
         if stamp != edge.seen_stamp:
             self._discover(scope, edge, stamp)
-        kh = _key_hash(key)
+        kh, seg_name = self._recv_names.get(edge.edge_hex, key)
         busy = False
         # A descriptor names the ring slot directly.
         if descriptor is not None and descriptor.get("plane") == "ring":
@@ -460,7 +488,6 @@ class HostTransportConnector:
                 return res
         # Per-key plane.
         token_now = scope.q[16]
-        seg_name = hex_name("seg", edge.edge_hex, key, size=32)
         res = perkey.claim_segment(scope.fd, seg_name, kh, self._recv_codec)
         if res is perkey.BUSY:
             return ringmod.BUSY

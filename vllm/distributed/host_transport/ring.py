@@ -207,13 +207,15 @@ class ProducerRing:
         mv = self._mv
         if mv is None or pos < self.tail or pos >= self.head:
             return False
+        off = HEADER_SIZE + pos % self.capacity
+        if mv[off + STATE_OFF] != READY:
+            return False  # already taken: no lock needed
         deadline = time.monotonic() + wait_s
         while not _try_lock(self.fd):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.0002)
         try:
-            off = HEADER_SIZE + pos % self.capacity
             _, state, fpos, kh = FRAME.unpack_from(mv, off)
             if fpos != pos or state != READY or kh != key_hash:
                 return False

@@ -1,0 +1,296 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Host transport benchmark: the host ring versus the per-key path.
+
+Same connector code and serializer in both modes; only ``host_ring_bytes``
+differs (4 MiB vs 0). Prints one JSON document.
+
+* latency: put-to-owned-object, one message in flight, a real second process
+  receives (busy-polling ``get``); p50/p99 in microseconds.
+* throughput: messages/s with up to 64 messages in flight.
+* payloads: ``{"codes": int64 tensor}`` of 256 B, 4 KiB, 64 KiB, 512 KiB and
+  just above a quarter of the ring (falls back to per-key segments); a typed
+  struct with a few small tensors; a bfloat16 [16, 4096] hidden state.
+* empty poll: cost of ``get`` on a key that is not there (ring attached), and
+  its system calls counted with ``strace -c`` (difference of two runs).
+* fallback put: cost of a put while the ring is full, against a plain per-key
+  put of the same payload.
+
+Usage: python benchmarks/bench_host_transport.py [--iters 2000] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import torch
+
+from vllm.distributed.host_transport import (
+    HostTransportConfig,
+    HostTransportConnector,
+)
+from vllm.distributed.host_transport.discovery import hex_name
+
+RING = 4 << 20
+CTX = mp.get_context("fork")
+
+
+class Step(msgspec.Struct):
+    request_id: str
+    step: int
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    routed_experts: torch.Tensor
+    finished: bool = False
+
+
+def payloads() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, n in (
+        ("256B", 256),
+        ("4KiB", 4096),
+        ("64KiB", 64 << 10),
+        ("512KiB", 512 << 10),
+        ("quarter_ring+", RING // 4 + 4096),
+    ):
+        out[label] = {"codes": torch.arange(n // 8, dtype=torch.int64)}
+    out["typed_struct"] = Step(
+        "req-1",
+        3,
+        torch.arange(16, dtype=torch.int64),
+        torch.randn(16, 8),
+        torch.randint(0, 64, (16, 8), dtype=torch.int32),
+    )
+    out["bf16_16x4096"] = {"hidden": torch.randn(16, 4096).to(torch.bfloat16)}
+    return out
+
+
+def scope_dir(scope: str) -> str:
+    return f"/dev/shm/vllm-ht-{os.getuid()}-{hex_name(scope)}"
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def _receiver(scope, label, n, shared, mode, out_q, ready) -> None:
+    conn = HostTransportConnector(HostTransportConfig(host_ring_bytes=0, scope=scope))
+    lat = []
+    ready.set()
+    t_first = t_last = 0
+    for i in range(n):
+        key = f"{label}-{mode}-{i}"
+        while True:
+            r = conn.get("s", "r", key)
+            if r is not None:
+                break
+        t1 = time.perf_counter_ns()
+        obj = r[0]
+        del obj
+        if i == 0:
+            t_first = t1
+        t_last = t1
+        if mode == "lat":
+            lat.append((t1 - shared[i % 1024]) / 1000.0)
+        shared[1024] = i + 1  # ack
+    conn.close()
+    out_q.put((lat, t_first, t_last))
+
+
+def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
+    shared = CTX.RawArray("q", 1025)
+    out_q = CTX.Queue()
+    ready = CTX.Event()
+    p = CTX.Process(
+        target=_receiver, args=(scope, label, n, shared, mode, out_q, ready)
+    )
+    p.start()
+    ready.wait(60)
+    conn = HostTransportConnector(
+        HostTransportConfig(host_ring_bytes=ring, scope=scope)
+    )
+    planes: dict[str, int] = {}
+    t_start = time.perf_counter_ns()
+    for i in range(n):
+        key = f"{label}-{mode}-{i}"
+        if mode == "lat":
+            while shared[1024] != i:
+                pass
+            shared[i % 1024] = time.perf_counter_ns()
+        else:
+            while i - shared[1024] >= 64:
+                pass
+        ok, _, desc = conn.put("s", "r", key, data)
+        if not ok:
+            raise RuntimeError("put failed")
+        planes[desc["plane"]] = planes.get(desc["plane"], 0) + 1
+    lat, _t_first, t_last = out_q.get(timeout=600)
+    p.join(60)
+    health = conn.health()
+    conn.close()
+    res: dict[str, Any] = {"n": n, "planes": planes}
+    if mode == "lat":
+        res.update(p50_us=round(_pct(lat, 0.5), 2), p99_us=round(_pct(lat, 0.99), 2))
+    else:
+        res["msgs_per_s"] = round(n / ((t_last - t_start) / 1e9))
+    res["fallbacks"] = health["fallbacks"]
+    return res
+
+
+def empty_poll(scope: str, ring: int, n: int) -> float:
+    prod = HostTransportConnector(
+        HostTransportConfig(host_ring_bytes=ring, scope=scope)
+    )
+    prod.put("s", "r", "present", {"codes": torch.arange(4)})
+    conn = HostTransportConnector(
+        HostTransportConfig(host_ring_bytes=ring, scope=scope)
+    )
+    conn.get("s", "r", "missing")
+    get = conn.get
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        get("s", "r", "missing")
+    dt = (time.perf_counter_ns() - t0) / max(n, 1)
+    conn.close()
+    prod.close()
+    return dt
+
+
+def _strace_calls(ring: int, n: int) -> int | None:
+    scope = f"bench-strace-{uuid.uuid4().hex}"
+    cmd = [
+        "strace", "-f", "-c", "-o", "/dev/stderr",
+        sys.executable, __file__, "--empty-poll-child", str(n),
+        "--ring", str(ring), "--scope", scope,
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(scope_dir(scope), ignore_errors=True)
+    for line in proc.stderr.splitlines():
+        tok = line.split()
+        if tok and tok[-1] == "total" and len(tok) >= 5:
+            return int(tok[3])
+    return None
+
+
+def empty_poll_syscalls(ring: int, n: int) -> dict[str, Any]:
+    if shutil.which("strace") is None:
+        return {"error": "strace not installed (apt-get install strace)"}
+    base = _strace_calls(ring, 0)
+    full = _strace_calls(ring, n)
+    if base is None or full is None:
+        return {"error": "could not parse strace -c output"}
+    return {
+        "polls": n,
+        "syscalls_baseline": base,
+        "syscalls_with_polls": full,
+        "syscalls_per_poll": round((full - base) / n, 4),
+    }
+
+
+def fallback_put(scope: str, data: Any, n: int) -> dict[str, Any]:
+    # Ring full: fill a 4 MiB ring with unclaimed frames first.
+    conn = HostTransportConnector(
+        HostTransportConfig(host_ring_bytes=RING, scope=scope)
+    )
+    filler = {"codes": torch.arange(1000, dtype=torch.int64)}
+    i = 0
+    while conn.put("s", "r", f"fill{i}", filler)[2]["plane"] == "ring":
+        i += 1
+    plain = HostTransportConnector(HostTransportConfig(host_ring_bytes=0, scope=scope))
+    out: dict[str, Any] = {"ring_fill_frames": i}
+    for name, c in (("fallback_put_ring_full", conn), ("plain_perkey_put", plain)):
+        times = []
+        for j in range(n):
+            t0 = time.perf_counter_ns()
+            ok, _, desc = c.put("s", "r", f"{name}{j}", data)
+            times.append((time.perf_counter_ns() - t0) / 1000.0)
+            if desc["plane"] != "key":
+                raise RuntimeError("expected a per-key put")
+        out[name] = {
+            "p50_us": round(_pct(times, 0.5), 2),
+            "p99_us": round(_pct(times, 0.99), 2),
+        }
+        c.cleanup_prefix(name)
+    conn.cleanup_prefix("fill")
+    conn.close()
+    plain.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--polls", type=int, default=200000)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--empty-poll-child", type=int, default=None)
+    ap.add_argument("--ring", type=int, default=RING)
+    ap.add_argument("--scope", default=None)
+    args = ap.parse_args()
+
+    if args.empty_poll_child is not None:
+        empty_poll(args.scope, args.ring, args.empty_poll_child)
+        return
+
+    scope = f"bench-{uuid.uuid4().hex}"
+    result: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+        },
+        "ring_bytes": RING,
+        "payload_note": "{'codes': int64 tensor} unless named otherwise",
+        "results": {},
+    }
+    try:
+        for label, data in payloads().items():
+            big = label in ("512KiB", "quarter_ring+", "bf16_16x4096")
+            n = max(200, args.iters // 4) if big else args.iters
+            row: dict[str, Any] = {}
+            for mode_name, ring in (("ring", RING), ("perkey", 0)):
+                row[mode_name] = {
+                    "latency": run_pair(scope, ring, label, data, n, "lat"),
+                    "throughput": run_pair(scope, ring, label, data, n, "tput"),
+                }
+            r50 = row["ring"]["latency"]["p50_us"]
+            k50 = row["perkey"]["latency"]["p50_us"]
+            row["p50_speedup"] = round(k50 / r50, 1)
+            result["results"][label] = row
+            print(
+                f"# {label}: ring p50 {r50} us, per-key p50 {k50} us", file=sys.stderr
+            )
+        result["empty_poll"] = {
+            "ring_ns": round(empty_poll(scope, RING, args.polls), 1),
+            "perkey_ns": round(empty_poll(scope, 0, args.polls), 1),
+            "ring_syscalls": empty_poll_syscalls(RING, 20000),
+            "perkey_syscalls": empty_poll_syscalls(0, 20000),
+        }
+        result["fallback_put_4KiB"] = fallback_put(
+            scope, payloads()["4KiB"], min(args.iters, 1000)
+        )
+    finally:
+        shutil.rmtree(scope_dir(scope), ignore_errors=True)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
