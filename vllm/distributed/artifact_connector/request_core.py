@@ -288,7 +288,6 @@ def check_coverage(segments: Sequence[Segment], num_rows: int) -> None:
     tail."""
     pos = 0
     for i, s in enumerate(segments):
-        validate_key(s.key)
         if s.start != pos:
             kind = "gap" if s.start > pos else "overlap"
             raise CoverageError(
@@ -535,17 +534,14 @@ def materialize(
     out_flat = out.reshape(num_rows, -1).view(np.uint8).reshape(-1)
     rb = spec.row_nbytes
     # Fast path: a run of equal-size objects laid out back to back.
+    lens, offs = lengths.tolist(), offsets.tolist()
     i = 0
     while i < n:
         j = i + 1
-        size = int(lengths[i])
-        while (
-            j < n
-            and int(lengths[j]) == size
-            and int(offsets[j]) == int(offsets[j - 1]) + size
-        ):
+        size = lens[i]
+        while j < n and lens[j] == size and offs[j] == offs[j - 1] + size:
             j += 1
-        o = int(offsets[i])
+        o = offs[i]
         p = size - ENVELOPE_NBYTES
         src = data[o : o + (j - i) * size].reshape(j - i, size)[:, :p]
         d = segments[i].start * rb

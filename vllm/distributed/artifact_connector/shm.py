@@ -420,9 +420,10 @@ class _Index:
                 e.current = None
 
     def resolve(self, k: KeyOrRef) -> tuple[str, int, _Loc] | None:
-        key = ref_key(k)
-        e = self.entries.get(key)
+        key = k.key if isinstance(k, ObjectRef) else k
+        e = self.entries.get(key)  # only valid keys are ever stored
         if e is None:
+            validate_key(key)
             return None
         if isinstance(k, ObjectRef):
             cs = k.checksum
