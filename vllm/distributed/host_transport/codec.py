@@ -30,7 +30,7 @@ import importlib
 import os
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -98,8 +98,8 @@ _NUMPY_OK = frozenset(
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous, conj/neg-resolved CPU tensor (no copy)."""
     if t.dtype in _NUMPY_OK:
-        return memoryview(t.numpy()).cast("B")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return t.numpy().data.cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
@@ -261,7 +261,7 @@ class _TreeWalker:
         area, off = 0, 0
         if a.nbytes:
             c = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-            area, off = self._region(memoryview(c.reshape(-1).view(np.uint8)))
+            area, off = self._region(c.reshape(-1).view(np.uint8).data)
         return msgspec.msgpack.Ext(
             EXT_NDARRAY,
             self.meta.encode((a.dtype.str, a.shape, area, off, a.nbytes)),
@@ -396,7 +396,7 @@ class FrameCodec:
         small_total = large_total = 0
         table = []
         for b in bufs:
-            mv = memoryview(b).cast("B")
+            mv = memoryview(cast(Any, b)).cast("B")
             n = len(mv)
             if n >= self.large_leaf_bytes:
                 table.append((1, large_total, n))
@@ -510,7 +510,7 @@ class FrameCodec:
             return torch.frombuffer(buf, dtype=dtype, count=numel, offset=s).view(shape)
         out = torch.empty(shape, dtype=dtype)
         dst = out.reshape(-1).view(torch.uint8).numpy()
-        memoryview(dst)[:] = buf[s : s + nbytes]
+        dst.data[:] = buf[s : s + nbytes]
         return out
 
     def _decode_ndarray(self, data: memoryview) -> np.ndarray:
@@ -532,7 +532,7 @@ class FrameCodec:
                 arr = arr.reshape(shape)
             else:
                 arr = np.empty(shape, dtype=dtype)
-                memoryview(arr.reshape(-1).view(np.uint8))[:] = buf[s : s + nbytes]
+                arr.reshape(-1).view(np.uint8).data[:] = buf[s : s + nbytes]
         arr.flags.writeable = False
         return arr
 
@@ -566,7 +566,7 @@ def write_frame_to_fd(fd: int, frame: EncodedFrame) -> None:
             # Short write: finish this chunk piece by piece.
             skip = done
             for b in chunk:
-                mv = memoryview(b).cast("B")
+                mv = memoryview(cast(Any, b)).cast("B")
                 if skip >= len(mv):
                     skip -= len(mv)
                     continue

@@ -208,7 +208,8 @@ class HostTransportConnector:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        # No contextlib here: module globals may be gone at interpreter exit.
+        try:  # noqa: SIM105
             self.close()
         except Exception:
             pass
