@@ -18,7 +18,7 @@ LINT_PATHS := vllm tests tools benchmarks setup.py
 setup: $(DEPS_STAMP)
 	@$(VPY) tools/fork.py apply
 
-$(DEPS_STAMP): requirements/$(BASE).txt requirements/dev.txt
+$(DEPS_STAMP): requirements/$(BASE).txt requirements/fork.txt requirements/dev.txt
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	@rm -f $(VENV)/.deps-*.stamp
 	@echo "[setup] installing the $(BASE) base and dev tools into $(VENV)"
