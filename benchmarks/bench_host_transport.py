@@ -43,6 +43,10 @@ from vllm.distributed.host_transport.discovery import hex_name
 
 RING = 4 << 20
 CTX = mp.get_context("fork")
+# Busy-wait loops yield the CPU (sched_yield) between polls: on a 2-vCPU
+# machine shared with other work, two pure spinners otherwise hand off at
+# scheduler-tick granularity (milliseconds). Set by --no-yield.
+YIELD = True
 
 
 class Step(msgspec.Struct):
@@ -84,7 +88,7 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def _receiver(scope, label, n, shared, mode, out_q, ready) -> None:
+def _receiver(scope, label, n, shared, mode, out_q, ready, yield_cpu) -> None:
     conn = HostTransportConnector(HostTransportConfig(host_ring_bytes=0, scope=scope))
     lat = []
     ready.set()
@@ -95,6 +99,8 @@ def _receiver(scope, label, n, shared, mode, out_q, ready) -> None:
             r = conn.get("s", "r", key)
             if r is not None:
                 break
+            if yield_cpu:
+                os.sched_yield()
         t1 = time.perf_counter_ns()
         obj = r[0]
         del obj
@@ -113,7 +119,8 @@ def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
     out_q = CTX.Queue()
     ready = CTX.Event()
     p = CTX.Process(
-        target=_receiver, args=(scope, label, n, shared, mode, out_q, ready)
+        target=_receiver,
+        args=(scope, label, n, shared, mode, out_q, ready, YIELD),
     )
     p.start()
     ready.wait(60)
@@ -122,15 +129,18 @@ def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
     )
     planes: dict[str, int] = {}
     t_start = time.perf_counter_ns()
+    yield_cpu = YIELD
     for i in range(n):
         key = f"{label}-{mode}-{i}"
         if mode == "lat":
             while shared[1024] != i:
-                pass
+                if yield_cpu:
+                    os.sched_yield()
             shared[i % 1024] = time.perf_counter_ns()
         else:
             while i - shared[1024] >= 64:
-                pass
+                if yield_cpu:
+                    os.sched_yield()
         ok, _, desc = conn.put("s", "r", key, data)
         if not ok:
             raise RuntimeError("put failed")
@@ -238,7 +248,10 @@ def main() -> None:
     ap.add_argument("--empty-poll-child", type=int, default=None)
     ap.add_argument("--ring", type=int, default=RING)
     ap.add_argument("--scope", default=None)
+    ap.add_argument("--no-yield", action="store_true")
     args = ap.parse_args()
+    global YIELD
+    YIELD = not args.no_yield
 
     if args.empty_poll_child is not None:
         empty_poll(args.scope, args.ring, args.empty_poll_child)
@@ -250,6 +263,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "loadavg_start": os.getloadavg(),
             "python": sys.version.split()[0],
+            "spin_yield": YIELD,
             "torch": torch.__version__,
         },
         "ring_bytes": RING,
