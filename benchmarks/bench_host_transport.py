@@ -22,10 +22,12 @@ Usage: python benchmarks/bench_host_transport.py [--iters 2000] [--out f.json]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -177,36 +179,67 @@ def empty_poll(scope: str, ring: int, n: int) -> float:
     return dt
 
 
-def _strace_calls(ring: int, n: int) -> int | None:
+def _strace_calls(ring: int, n: int) -> dict[str, Any] | None:
+    """Attach ``strace -c`` to a child only while it runs ``n`` empty polls."""
     scope = f"bench-strace-{uuid.uuid4().hex}"
+    out = os.path.join(os.environ.get("TMPDIR", "."), f"strace-{uuid.uuid4().hex}.txt")
     cmd = [
-        "strace", "-f", "-c", "-o", "/dev/stderr",
         sys.executable, __file__, "--empty-poll-child", str(n),
         "--ring", str(ring), "--scope", scope,
     ]  # fmt: skip
+    child = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if child.stdout.readline().strip() != "ready":
+            return None
+        tracer = subprocess.Popen(
+            ["strace", "-c", "-p", str(child.pid), "-o", out],
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.0)  # let strace attach
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        line = child.stdout.readline().strip()
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(60)
+        child.stdin.write("exit\n")
+        child.stdin.flush()
+        child.wait(60)
+        with open(out) as f:
+            text = f.read()
     finally:
+        if child.poll() is None:
+            child.kill()
         shutil.rmtree(scope_dir(scope), ignore_errors=True)
-    for line in proc.stderr.splitlines():
-        tok = line.split()
-        if tok and tok[-1] == "total" and len(tok) >= 5:
-            return int(tok[3])
-    return None
+        with contextlib.suppress(OSError):
+            os.unlink(out)
+    total = None
+    per_call: dict[str, int] = {}
+    for row in text.splitlines():
+        tok = row.split()
+        if len(tok) >= 5 and tok[-1] == "total":
+            total = int(tok[3])
+        elif len(tok) >= 5 and tok[0][0].isdigit() and tok[3].isdigit():
+            per_call[tok[-1]] = int(tok[3])
+    if total is None:
+        return None
+    return {"loop_ns_per_poll": float(line or 0), "total": total, "calls": per_call}
 
 
 def empty_poll_syscalls(ring: int, n: int) -> dict[str, Any]:
     if shutil.which("strace") is None:
         return {"error": "strace not installed (apt-get install strace)"}
-    base = _strace_calls(ring, 0)
-    full = _strace_calls(ring, n)
-    if base is None or full is None:
+    res = _strace_calls(ring, n)
+    if res is None:
         return {"error": "could not parse strace -c output"}
+    # The window also holds the child's read of "go" and write of its result.
     return {
         "polls": n,
-        "syscalls_baseline": base,
-        "syscalls_with_polls": full,
-        "syscalls_per_poll": round((full - base) / n, 4),
+        "syscalls_in_window": res["total"],
+        "by_call": res["calls"],
+        "syscalls_per_poll": round(res["total"] / n, 5),
     }
 
 
@@ -240,6 +273,28 @@ def fallback_put(scope: str, data: Any, n: int) -> dict[str, Any]:
     return out
 
 
+def _empty_poll_child(scope: str, ring: int, n: int) -> None:
+    prod = HostTransportConnector(
+        HostTransportConfig(host_ring_bytes=ring, scope=scope)
+    )
+    prod.put("s", "r", "present", {"codes": torch.arange(4)})
+    conn = HostTransportConnector(
+        HostTransportConfig(host_ring_bytes=ring, scope=scope)
+    )
+    conn.get("s", "r", "missing")
+    get = conn.get
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        get("s", "r", "missing")
+    dt = (time.perf_counter_ns() - t0) / n
+    print(f"{dt:.1f}", flush=True)
+    sys.stdin.readline()
+    conn.close()
+    prod.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=2000)
@@ -254,7 +309,7 @@ def main() -> None:
     YIELD = not args.no_yield
 
     if args.empty_poll_child is not None:
-        empty_poll(args.scope, args.ring, args.empty_poll_child)
+        _empty_poll_child(args.scope, args.ring, args.empty_poll_child)
         return
 
     scope = f"bench-{uuid.uuid4().hex}"
@@ -290,8 +345,8 @@ def main() -> None:
         result["empty_poll"] = {
             "ring_ns": round(empty_poll(scope, RING, args.polls), 1),
             "perkey_ns": round(empty_poll(scope, 0, args.polls), 1),
-            "ring_syscalls": empty_poll_syscalls(RING, 20000),
-            "perkey_syscalls": empty_poll_syscalls(0, 20000),
+            "ring_syscalls": empty_poll_syscalls(RING, 100000),
+            "perkey_syscalls": empty_poll_syscalls(0, 100000),
         }
         result["fallback_put_4KiB"] = fallback_put(
             scope, payloads()["4KiB"], min(args.iters, 1000)
