@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import re
 import select
@@ -39,15 +40,20 @@ import stat
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from vllm.distributed.artifact_connector.store import (
+    KEY_HEX_LEN,
+    KEY_NBYTES,
     ArtifactStoreError,
     ChecksumAlgorithm,
     ChecksumMismatchError,
+    FillFn,
     KeyOrRef,
     ObjectBatch,
     ObjectDivergenceError,
@@ -58,14 +64,15 @@ from vllm.distributed.artifact_connector.store import (
     PutResult,
     PutStatus,
     ReadOnlyStoreError,
+    SplitBatch,
     StoreCapacityError,
     StoreClosedError,
     StoreStats,
     UnsafeStoreError,
-    compute_checksum,
+    checksum_function,
     default_checksum,
     ref_key,
-    validate_key,
+    validate_keys,
 )
 from vllm.logger import init_logger
 
@@ -91,7 +98,7 @@ _IOV_MAX = 1024
 # Index log format.
 _LOG_MAGIC = b"VARTLOG1"
 _LOG_HEADER = struct.Struct("<8sHB5xI")  # magic, version, algo, crc -> 20 B
-_LOG_VERSION = 1
+_LOG_VERSION = 2
 _BATCH_MAGIC = b"VBAT"
 _BATCH_HEADER = struct.Struct("<4sIII")  # magic, count, records crc, hdr crc
 _RECORD = struct.Struct("<B3xI32sQQQ")  # type, arena, key, off, len, checksum
@@ -99,6 +106,10 @@ _REC_PUT = 1  # new version (or identical re-put); becomes the current one
 _REC_MOVE = 2  # same version, new location
 _REC_DROP = 3  # version gone
 _REC_NOCURRENT = 4  # key keeps old versions but has no current version
+_REC_RETIRE = 5  # arena unlinked: readers drop their mapping of it
+_ALIGN = 64  # batches start on 64-byte boundaries
+
+_T = TypeVar("_T")
 
 
 # --------------------------------------------------------------------------
@@ -371,85 +382,235 @@ def _read_exact(fd: int, out: memoryview, offset: int) -> bool:
 # --------------------------------------------------------------------------
 # Index
 # --------------------------------------------------------------------------
-@dataclass(slots=True)
-class _Loc:
-    arena: int
-    offset: int
-    length: int
-
-
-@dataclass(slots=True)
-class _Entry:
-    versions: dict[int, _Loc] = field(default_factory=dict)
-    current: int | None = None
+# The record layout as a numpy dtype (same bytes as _RECORD). No gaps, so
+# that concatenation (structured-dtype promotion) keeps the layout.
+_REC_DTYPE = np.dtype(
+    [
+        ("type", "u1"),
+        ("pad", "V3"),
+        ("arena", "<u4"),
+        ("key", "V32"),
+        ("off", "<u8"),
+        ("len", "<u8"),
+        ("cs", "<u8"),
+    ]
+)
+if _REC_DTYPE.itemsize != _RECORD.size:  # pragma: no cover - import-time check
+    raise ImportError("artifact index record layout mismatch")
 
 
 class _Index:
-    """key -> versions; shared by writer (authoritative) and readers."""
+    """key -> versions; shared by writer (authoritative) and readers.
+
+    Locations live in numpy arrays indexed by *slot*, so a batch of keys is
+    resolved with one dict lookup per key (C speed) and gathered with
+    vectorised indexing."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, _Entry] = {}
+        self.cur: dict[str, int] = {}  # key -> slot of its current version
+        self.ver: dict[str, dict[int, int]] = {}  # key -> {checksum: slot}
+        self.arena = np.zeros(0, np.int64)
+        self.off = np.zeros(0, np.int64)
+        self.length = np.zeros(0, np.int64)
+        self.cs = np.zeros(0, np.uint64)
+        self.live = np.zeros(0, np.bool_)
+        self.free: list[int] = []
+        self.top = 0
         self.num_versions = 0
 
-    def apply(
-        self, rtype: int, key: str, cs: int, arena: int, off: int, ln: int
+    def _grow(self, need: int) -> None:
+        cap = self.arena.shape[0]
+        if self.top + need <= cap:
+            return
+        new = max(1024, 2 * cap, self.top + need)
+        for name in ("arena", "off", "length", "cs", "live"):
+            old = getattr(self, name)
+            arr = np.zeros(new, old.dtype)
+            arr[:cap] = old
+            setattr(self, name, arr)
+
+    def alloc(self, n: int) -> np.ndarray:
+        take = min(n, len(self.free))
+        reused = [self.free.pop() for _ in range(take)]
+        self._grow(n - take)
+        fresh = np.arange(self.top, self.top + n - take, dtype=np.int64)
+        self.top += n - take
+        return np.concatenate((np.array(reused, np.int64), fresh))
+
+    def put_new(
+        self,
+        keys: Sequence[str],
+        cs: np.ndarray,
+        arena: np.ndarray | int,
+        off: np.ndarray,
+        ln: np.ndarray,
     ) -> None:
-        if rtype == _REC_PUT:
-            e = self.entries.get(key)
-            if e is None:
-                e = self.entries[key] = _Entry()
-            if cs not in e.versions:
-                self.num_versions += 1
-            e.versions[cs] = _Loc(arena, off, ln)
-            e.current = cs
-        elif rtype == _REC_MOVE:
-            e = self.entries.get(key)
-            if e is not None and cs in e.versions:
-                e.versions[cs] = _Loc(arena, off, ln)
-        elif rtype == _REC_DROP:
-            e = self.entries.get(key)
-            if e is not None and e.versions.pop(cs, None) is not None:
-                self.num_versions -= 1
-                if e.current == cs:
-                    e.current = None
-                if not e.versions:
-                    del self.entries[key]
-        elif rtype == _REC_NOCURRENT:
-            e = self.entries.get(key)
-            if e is not None:
-                e.current = None
+        """Insert versions of keys absent from the index (vectorised)."""
+        slots = self.alloc(len(keys))
+        self.arena[slots] = arena
+        self.off[slots] = off
+        self.length[slots] = ln
+        self.cs[slots] = cs
+        self.live[slots] = True
+        sl = slots.tolist()
+        self.cur.update(zip(keys, sl))
+        self.ver.update(zip(keys, ({c: s} for c, s in zip(cs.tolist(), sl))))
+        self.num_versions += len(sl)
 
-    def resolve(self, k: KeyOrRef) -> tuple[str, int, _Loc] | None:
-        key = k.key if isinstance(k, ObjectRef) else k
-        e = self.entries.get(key)  # only valid keys are ever stored
-        if e is None:
-            validate_key(key)
-            return None
-        if isinstance(k, ObjectRef):
-            cs = k.checksum
-        elif e.current is not None:
-            cs = e.current
-        else:
-            return None
-        loc = e.versions.get(cs)
-        if loc is None:
-            return None
-        return key, cs, loc
+    def put(self, key: str, cs: int, arena: int, off: int, ln: int) -> None:
+        vs = self.ver.get(key)
+        if vs is None:
+            vs = self.ver[key] = {}
+        s = vs.get(cs)
+        if s is None:
+            s = int(self.alloc(1)[0])
+            vs[cs] = s
+            self.num_versions += 1
+            self.cs[s] = cs
+            self.live[s] = True
+        self.arena[s], self.off[s], self.length[s] = arena, off, ln
+        self.cur[key] = s
+
+    def move(self, key: str, cs: int, arena: int, off: int, ln: int) -> None:
+        s = self.ver.get(key, {}).get(cs)
+        if s is not None:
+            self.arena[s], self.off[s], self.length[s] = arena, off, ln
+
+    def drop(self, key: str, cs: int) -> None:
+        vs = self.ver.get(key)
+        if vs is None:
+            return
+        s = vs.pop(cs, None)
+        if s is None:
+            return
+        self.live[s] = False
+        self.free.append(s)
+        self.num_versions -= 1
+        if self.cur.get(key) == s:
+            del self.cur[key]
+        if not vs:
+            del self.ver[key]
+
+    def nocurrent(self, key: str) -> None:
+        self.cur.pop(key, None)
+
+    def apply_records(self, recs: np.ndarray) -> list[int]:
+        """Apply decoded log records; returns retired arena ids."""
+        n = recs.shape[0]
+        hexed = recs["key"].tobytes().hex()
+        keys = [hexed[i : i + KEY_HEX_LEN] for i in range(0, n * KEY_HEX_LEN, 64)]
+        types = recs["type"]
+        if (
+            n
+            and (types == _REC_PUT).all()
+            and not any(map(self.ver.__contains__, keys))
+        ):
+            if len(set(keys)) == n:
+                self.put_new(
+                    keys,
+                    recs["cs"].astype(np.uint64),
+                    recs["arena"].astype(np.int64),
+                    recs["off"].astype(np.int64),
+                    recs["len"].astype(np.int64),
+                )
+                return []
+        retired = []
+        for rtype, key, arena, off, ln, cs in zip(
+            types.tolist(),
+            keys,
+            recs["arena"].tolist(),
+            recs["off"].tolist(),
+            recs["len"].tolist(),
+            recs["cs"].tolist(),
+        ):
+            if rtype == _REC_PUT:
+                self.put(key, cs, arena, off, ln)
+            elif rtype == _REC_MOVE:
+                self.move(key, cs, arena, off, ln)
+            elif rtype == _REC_DROP:
+                self.drop(key, cs)
+            elif rtype == _REC_NOCURRENT:
+                self.nocurrent(key)
+            elif rtype == _REC_RETIRE:
+                retired.append(arena)
+        return retired
+
+    def lookup(self, keys: Sequence[KeyOrRef]) -> list[int | None]:
+        """Slot per key or ref (``None`` where missing)."""
+        if all(type(k) is str for k in keys):
+            return list(map(self.cur.get, keys))  # type: ignore[arg-type]
+        out: list[int | None] = []
+        for k in keys:
+            if isinstance(k, ObjectRef):
+                out.append(self.ver.get(k.key, {}).get(k.checksum))
+            else:
+                out.append(self.cur.get(k))
+        return out
+
+    def slots_of_arena(self, aid: int) -> np.ndarray:
+        top = self.top
+        return np.flatnonzero(self.live[:top] & (self.arena[:top] == aid))
+
+    def key_of_slots(self) -> dict[int, str]:
+        return {s: k for k, vs in self.ver.items() for s in vs.values()}
 
 
-def _encode_batch(records: Sequence[bytes]) -> bytes:
-    body = b"".join(records)
-    import zlib
+def _records(
+    rtype: int | np.ndarray,
+    keys_raw: bytes,
+    arena: int | np.ndarray,
+    off: int | np.ndarray,
+    ln: int | np.ndarray,
+    cs: int | np.ndarray,
+) -> np.ndarray:
+    n = len(keys_raw) // KEY_NBYTES
+    recs = np.zeros(n, _REC_DTYPE)
+    recs["type"] = rtype
+    recs["arena"] = arena
+    recs["key"] = np.frombuffer(keys_raw, "V32")
+    recs["off"] = off
+    recs["len"] = ln
+    recs["cs"] = cs
+    return recs
 
-    head = struct.pack("<4sII", _BATCH_MAGIC, len(records), zlib.crc32(body))
+
+def _encode_batch(recs: np.ndarray) -> bytes:
+    body = recs.tobytes()
+    head = struct.pack("<4sII", _BATCH_MAGIC, recs.shape[0], zlib.crc32(body))
     return head + struct.pack("<I", zlib.crc32(head)) + body
 
 
 def _log_header(algo: ChecksumAlgorithm) -> bytes:
-    import zlib
-
     head = struct.pack("<8sHB5x", _LOG_MAGIC, _LOG_VERSION, int(algo))
     return head + struct.pack("<I", zlib.crc32(head))
+
+
+def _map_file(fd: int, size: int, *, write: bool) -> mmap.mmap:
+    if write:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+class _Arena:
+    """A mapped arena file. Only this module sees the mapping; readers copy
+    out of it (values, never mappings, leave the store)."""
+
+    __slots__ = ("aid", "mm", "arr", "size", "fill")
+
+    def __init__(self, aid: int, mm: mmap.mmap, size: int) -> None:
+        self.aid = aid
+        self.mm = mm
+        self.arr = np.frombuffer(mm, np.uint8)
+        self.size = size
+        self.fill = 0
+
+    def close(self) -> None:
+        self.arr = np.zeros(0, np.uint8)
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive; unmapped when collected
+            pass
 
 
 # --------------------------------------------------------------------------
@@ -463,6 +624,10 @@ class CollectReport:
     kept_alive: tuple[str, ...] = ()
     kept_recent: tuple[str, ...] = ()
     refused: tuple[str, ...] = ()  # entries not ours / unsafe; left alone
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
 class ShmObjectStore(ObjectStore):
@@ -485,16 +650,14 @@ class ShmObjectStore(ObjectStore):
         self._log_fd = -1
         self._log_ino = 0
         self._log_size = 0
-        self._algo = default_checksum()
+        self._algo = ChecksumAlgorithm.XXH3_64
         self._index = _Index()
         self._stats = StoreStats()
         self._capacity = 0
+        self._arenas: dict[int, _Arena] = {}  # mapped arenas (both sides)
         # writer only
         self._arena_bytes = 0
-        self._arena_objs: dict[int, dict[tuple[str, int], int]] = {}
-        self._arena_size: dict[int, int] = {}
-        self._active: int | None = None
-        self._active_fd = -1
+        self._active: _Arena | None = None
         self._next_arena = 1
         self._pins: dict[str, int] = {}
         self._on_divergence = "version"
@@ -529,7 +692,9 @@ class ShmObjectStore(ObjectStore):
         ``on_divergence``: ``"version"`` (default; see module docs of
         ``store``) or ``"raise"`` (strict: :class:`ObjectDivergenceError`).
         Stale stores of dead writers are collected first when
-        ``collect_on_start``.
+        ``collect_on_start``. ``arena_bytes`` is the size of the arena files
+        (default: capacity / 16, clamped to [1 MiB, 64 MiB] and to the
+        capacity); each is allocated in full when it is started.
         """
         if on_divergence not in ("version", "raise"):
             raise ValueError("on_divergence must be 'version' or 'raise'")
@@ -542,6 +707,8 @@ class ShmObjectStore(ObjectStore):
                 "artifact namespace must be 16-64 lowercase hex characters, "
                 f"got {namespace!r:.80}"
             )
+        algo = checksum or default_checksum()
+        checksum_function(algo)  # clear error if unavailable
         real = ensure_root(root)
         self = cls()
         self._writer = True
@@ -549,13 +716,16 @@ class ShmObjectStore(ObjectStore):
         self._namespace = namespace
         self._capacity = capacity_bytes
         self._stats.capacity_bytes = capacity_bytes
-        self._arena_bytes = arena_bytes or max(
-            1 << 20, min(64 << 20, capacity_bytes // 16)
+        self._arena_bytes = _align(
+            min(
+                capacity_bytes,
+                arena_bytes or max(1 << 20, min(64 << 20, capacity_bytes // 16)),
+            )
         )
         self._ttl = inactive_ttl_s
         self._collect_interval = collect_interval_s
         self._on_divergence = on_divergence
-        self._algo = checksum or default_checksum()
+        self._algo = algo
         self._remove_on_close = remove_on_close
         if collect_on_start:
             collect_stale_stores(real, inactive_ttl_s, exclude=(namespace,))
@@ -633,6 +803,10 @@ class ShmObjectStore(ObjectStore):
     def is_writer(self) -> bool:
         return self._writer
 
+    @property
+    def checksum_algorithm(self) -> ChecksumAlgorithm:
+        return self._algo
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"artifact store {self._namespace or '?'} is closed")
@@ -646,8 +820,6 @@ class ShmObjectStore(ObjectStore):
     def _reload_log(self) -> None:
         fd = _open_file(INDEX_FILE, self._ns_fd, os.O_RDONLY, "index log")
         hdr = os.pread(fd, _LOG_HEADER.size, 0)
-        import zlib
-
         if len(hdr) < _LOG_HEADER.size:
             os.close(fd)
             raise UnsafeStoreError("artifact index log is truncated")
@@ -661,15 +833,20 @@ class ShmObjectStore(ObjectStore):
             raise UnsafeStoreError("artifact index log has an unknown format")
         try:
             self._algo = ChecksumAlgorithm(algo)
+            checksum_function(self._algo)
         except ValueError as e:
             os.close(fd)
             raise UnsafeStoreError(f"unknown checksum algorithm {algo}") from e
+        except ArtifactStoreError:
+            os.close(fd)
+            raise
         if self._log_fd >= 0:
             os.close(self._log_fd)
         self._log_fd = fd
         self._log_ino = os.fstat(fd).st_ino
         self._log_size = _LOG_HEADER.size
         self._index = _Index()
+        self._unmap_all()  # mapped lazily again
         self._read_log_tail()
 
     def _refresh(self) -> None:
@@ -685,19 +862,17 @@ class ShmObjectStore(ObjectStore):
             ) from e
         if st.st_ino != self._log_ino:
             self._reload_log()
-        else:
+        elif st.st_size > self._log_size:
             self._read_log_tail()
 
     def _read_log_tail(self) -> None:
-        import zlib
-
         size = os.fstat(self._log_fd).st_size
         if size <= self._log_size:
             return
         buf = os.pread(self._log_fd, size - self._log_size, self._log_size)
         pos = 0
         hs = _BATCH_HEADER.size
-        apply = self._index.apply
+        bodies = []
         while pos + hs <= len(buf):
             magic, count, rcrc, hcrc = _BATCH_HEADER.unpack_from(buf, pos)
             if magic != _BATCH_MAGIC or hcrc != zlib.crc32(buf[pos : pos + hs - 4]):
@@ -708,16 +883,92 @@ class ShmObjectStore(ObjectStore):
             body = buf[pos + hs : end]
             if zlib.crc32(body) != rcrc:
                 break
-            for rtype, arena, kb, off, ln, cs in _RECORD.iter_unpack(body):
-                apply(rtype, kb.hex(), cs, arena, off, ln)
+            bodies.append(body)
             pos = end
         self._log_size += pos
+        if bodies:
+            recs = np.frombuffer(b"".join(bodies), _REC_DTYPE)
+            for aid in self._index.apply_records(recs):
+                arena = self._arenas.pop(aid, None)
+                if arena is not None:
+                    arena.close()
+
+    # ----------------------------------------------------------- arenas
+    def _unmap_all(self) -> None:
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
+        self._active = None
+
+    def _map_arena(self, aid: int) -> _Arena:
+        arena = self._arenas.get(aid)
+        if arena is not None:
+            return arena
+        fd = _open_file(f"{aid:016x}.arena", self._ns_fd, os.O_RDONLY, "arena")
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise ChecksumMismatchError(
+                    f"artifact arena {aid:016x} in store {self._namespace} is empty"
+                )
+            arena = _Arena(aid, _map_file(fd, size, write=False), size)
+        finally:
+            os.close(fd)
+        self._arenas[aid] = arena
+        return arena
+
+    def _start_arena(self, min_bytes: int) -> _Arena:
+        """Writer: create, allocate in full and map a fresh arena."""
+        aid = self._next_arena
+        self._next_arena += 1
+        size = max(self._arena_bytes, _align(min_bytes))
+        fd = _open_file(
+            f"{aid:016x}.arena",
+            self._ns_fd,
+            os.O_RDWR | os.O_CREAT | os.O_EXCL,
+            "arena",
+        )
+        try:
+            # Allocate every page now: writes through the mapping can then
+            # never hit a full /dev/shm (SIGBUS), and page allocation is paid
+            # once per arena instead of inside each put.
+            os.posix_fallocate(fd, 0, size)
+            mm = _map_file(fd, size, write=True)
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(f"{aid:016x}.arena", dir_fd=self._ns_fd)
+            raise StoreCapacityError(
+                f"allocating a {size}-byte artifact arena failed: {e}; /dev/shm "
+                f"may be full (store capacity {self._capacity})"
+            ) from e
+        os.close(fd)
+        arena = _Arena(aid, mm, size)
+        self._arenas[aid] = arena
+        self._stats.used_bytes += size
+        self._active = arena
+        return arena
+
+    def _reserve(self, nbytes: int) -> tuple[_Arena, int]:
+        """Writer: space for ``nbytes`` in the active arena (starting one if
+        needed); returns (arena, offset). The space is consumed whether or
+        not it ends up indexed (never reused)."""
+        a = self._active
+        if a is None or _align(a.fill) + nbytes > a.size:
+            a = self._start_arena(nbytes)
+        off = _align(a.fill)
+        a.fill = off + nbytes
+        return a, off
+
+    def _fits_active(self, nbytes: int) -> bool:
+        a = self._active
+        return a is not None and _align(a.fill) + nbytes <= a.size
 
     # ----------------------------------------------------------- writer
-    def _append_log(self, records: list[bytes]) -> None:
-        if not records:
+    def _append_log(self, recs: np.ndarray) -> None:
+        if recs.shape[0] == 0:
             return
-        data = _encode_batch(records)
+        data = _encode_batch(recs)
         if self._fault_hook is not None:
             half = len(data) // 2
             _write_all(self._log_fd, [data[:half]], self._log_size)
@@ -727,57 +978,25 @@ class ShmObjectStore(ObjectStore):
             _write_all(self._log_fd, [data], self._log_size)
         self._log_size += len(data)
 
-    def _roll_arena(self) -> None:
-        if self._active_fd >= 0:
-            os.close(self._active_fd)
-        aid = self._next_arena
-        self._next_arena += 1
-        name = f"{aid:016x}.arena"
-        self._active_fd = _open_file(
-            name, self._ns_fd, os.O_RDWR | os.O_CREAT | os.O_EXCL, "arena"
-        )
-        self._active = aid
-        self._arena_objs[aid] = {}
-        self._arena_size[aid] = 0
-
-    def _write_objects(self, bufs: Sequence[Payload], total: int) -> tuple[int, int]:
-        """Append ``bufs`` to the active arena; returns (arena, offset)."""
-        if self._active is None or (
-            self._arena_size[self._active] > 0
-            and self._arena_size[self._active] + total > self._arena_bytes
-        ):
-            self._roll_arena()
-        assert_active = self._active
-        if assert_active is None:  # pragma: no cover - _roll_arena sets it
-            raise ArtifactStoreError("no active arena")
-        off = self._arena_size[assert_active]
-        try:
-            n = _write_all(self._active_fd, bufs, off)
-        except OSError as e:
-            raise StoreCapacityError(
-                f"writing {total} bytes to the artifact store failed: {e}; "
-                f"/dev/shm may be full (store capacity {self._capacity})"
-            ) from e
-        # Even a partial write occupies space (never reused).
-        self._arena_size[assert_active] = off + n
-        self._stats.used_bytes += n
-        if n != total:  # pragma: no cover - _write_all loops until done
-            raise ArtifactStoreError("short write to artifact arena")
-        return assert_active, off
-
     def _used(self) -> int:
-        return sum(self._arena_size.values())
+        return sum(a.size for a in self._arenas.values())
 
     def _pinned_bytes(self, protect: set[str]) -> int:
-        total = 0
-        for key in set(self._pins) | protect:
-            e = self._index.entries.get(key)
-            if e is not None:
-                total += sum(loc.length for loc in e.versions.values())
-        return total
+        idx = self._index
+        slots = [
+            s
+            for key in set(self._pins) | protect
+            for s in idx.ver.get(key, {}).values()
+        ]
+        return int(idx.length[np.array(slots, np.int64)].sum()) if slots else 0
 
     def _make_room(self, incoming: int, protect: set[str]) -> None:
-        if self._used() + incoming <= self._capacity:
+        def need() -> int:
+            if self._fits_active(incoming):
+                return 0
+            return max(self._arena_bytes, _align(incoming))
+
+        if self._used() + need() <= self._capacity:
             return
         pinned = self._pinned_bytes(protect)
         if pinned + incoming > self._capacity:
@@ -787,178 +1006,233 @@ class ShmObjectStore(ObjectStore):
                 f"{self._capacity} bytes; raise the artifact capacity or lower "
                 "the number of concurrent requests"
             )
-        for aid in sorted(self._arena_objs):
-            if self._used() + incoming <= self._capacity:
+        for aid in sorted(self._arenas):
+            if self._used() + need() <= self._capacity:
                 break
-            if aid == self._active:
+            if aid not in self._arenas:
+                continue
+            if self._active is not None and aid == self._active.aid:
                 # Seal the active arena so that it can be evicted; moved
                 # objects go to a fresh one.
-                os.close(self._active_fd)
-                self._active_fd = -1
                 self._active = None
             self._evict_arena(aid, protect)
 
     def _evict_arena(self, aid: int, protect: set[str]) -> None:
-        objs = self._arena_objs.pop(aid)
-        name = f"{aid:016x}.arena"
-        moves: list[tuple[str, int, _Loc]] = []
-        records: list[bytes] = []
-        for key, cs in objs:
-            e = self._index.entries[key]
-            loc = e.versions[cs]
+        idx = self._index
+        victim = self._arenas[aid]
+        slots = idx.slots_of_arena(aid)
+        names = idx.key_of_slots() if len(slots) else {}
+        moves: list[tuple[str, int, int]] = []  # key, checksum, slot
+        drops: list[tuple[str, int]] = []
+        for s in slots.tolist():
+            key = names[s]
+            cs = int(idx.cs[s])
             if self._pins.get(key) or key in protect:
-                moves.append((key, cs, loc))
+                moves.append((key, cs, s))
             else:
-                records.append(
-                    _RECORD.pack(_REC_DROP, aid, bytes.fromhex(key), 0, 0, cs)
+                drops.append((key, cs))
+        parts = []
+        if drops:
+            parts.append(
+                _records(
+                    _REC_DROP,
+                    bytes.fromhex("".join(k for k, _ in drops)),
+                    aid,
+                    0,
+                    0,
+                    np.array([c for _, c in drops], np.uint64),
                 )
-                self._index.apply(_REC_DROP, key, cs, aid, 0, 0)
-                self._stats.evicted_objects += 1
+            )
+            for key, cs in drops:
+                idx.drop(key, cs)
+            self._stats.evicted_objects += len(drops)
         if moves:
-            fd = _open_file(name, self._ns_fd, os.O_RDONLY, "arena")
-            try:
-                bufs = []
-                for _key, _cs, loc in moves:
-                    b = bytearray(loc.length)
-                    if not _read_exact(fd, memoryview(b), loc.offset):
-                        raise ChecksumMismatchError(f"arena {name} is truncated")
-                    bufs.append(b)
-            finally:
-                os.close(fd)
-            total = sum(len(b) for b in bufs)
-            new_aid, off = self._write_objects(bufs, total)
-            for (key, cs, _loc), b in zip(moves, bufs):
-                records.append(
-                    _RECORD.pack(
-                        _REC_MOVE, new_aid, bytes.fromhex(key), off, len(b), cs
-                    )
+            ms = np.array([s for _, _, s in moves], np.int64)
+            lens = idx.length[ms]
+            total = int(lens.sum())
+            dst, base = self._reserve(total)
+            offs = base + np.concatenate(([0], np.cumsum(lens)[:-1]))
+            for s, o, ln in zip(ms.tolist(), offs.tolist(), lens.tolist()):
+                so = int(idx.off[s])
+                dst.arr[o : o + ln] = victim.arr[so : so + ln]
+            parts.append(
+                _records(
+                    _REC_MOVE,
+                    bytes.fromhex("".join(k for k, _, _ in moves)),
+                    dst.aid,
+                    offs,
+                    lens,
+                    np.array([c for _, c, _ in moves], np.uint64),
                 )
-                self._index.apply(_REC_MOVE, key, cs, new_aid, off, len(b))
-                self._arena_objs[new_aid][(key, cs)] = len(b)
-                off += len(b)
+            )
+            idx.arena[ms] = dst.aid
+            idx.off[ms] = offs
             self._stats.relocated_objects += len(moves)
-        self._append_log(records)
-        size = self._arena_size.pop(aid)
-        self._stats.used_bytes -= size
-        os.unlink(name, dir_fd=self._ns_fd)
+        parts.append(_records(_REC_RETIRE, bytes(KEY_NBYTES), aid, 0, 0, 0))
+        self._append_log(np.concatenate(parts).astype(_REC_DTYPE, copy=False))
+        del self._arenas[aid]
+        victim.close()
+        self._stats.used_bytes -= victim.size
+        os.unlink(f"{aid:016x}.arena", dir_fd=self._ns_fd)
 
     def put_many(
         self, items: Sequence[tuple[str, Payload]], *, pin: bool = False
     ) -> PutResult:
-        """Publish a batch: one data write and one index write.
+        """Publish a batch: one copy into the arena and one index write.
 
         Identical re-puts write nothing (the version becomes current again);
         different bytes under an existing key are stored as a new version
         (``on_divergence="version"``) and counted in ``stats().divergences``,
         or rejected with :class:`ObjectDivergenceError` (``"raise"``).
         """
+        views = [memoryview(d).cast("B") for _, d in items]
+        lens = [len(v) for v in views]
+
+        def fill(buf: np.ndarray) -> None:
+            mv = buf.data
+            o = 0
+            for v in views:
+                mv[o : o + len(v)] = v
+                o += len(v)
+
+        return self.put_packed([k for k, _ in items], lens, fill, pin=pin)
+
+    def put_packed(
+        self,
+        keys: Sequence[str],
+        lengths: Sequence[int] | np.ndarray,
+        fill: FillFn,
+        *,
+        pin: bool = False,
+    ) -> PutResult:
+        """See :meth:`ObjectStore.put_packed`: ``fill`` writes straight into
+        the arena; data is complete before the index batch that names it is
+        appended, which is what makes publication atomic."""
         with self._lock:
             self._check_writer()
-            algo = self._algo
-            plan: list[tuple[str, memoryview, int, PutStatus]] = []
-            pending: dict[tuple[str, int], int] = {}
-            pending_keys: set[str] = set()
-            for key, data in items:
-                validate_key(key)
-                mv = memoryview(data).cast("B")
-                cs = compute_checksum(algo, mv)
-                e = self._index.entries.get(key)
-                if (key, cs) in pending or (
-                    e is not None
-                    and cs in e.versions
-                    and self._same_bytes(e.versions[cs], mv)
-                ):
-                    plan.append((key, mv, cs, PutStatus.IDENTICAL))
-                    continue
-                status = (
-                    PutStatus.DIVERGED
-                    if (e is not None and e.versions) or key in pending_keys
-                    else PutStatus.WRITTEN
+            n = len(keys)
+            if n == 0:
+                return PutResult((), ())
+            kraw = validate_keys(keys)
+            lens = np.asarray(lengths, np.int64)
+            if lens.shape != (n,) or (lens < 0).any():
+                raise ValueError("lengths must be one non-negative int per key")
+            total = int(lens.sum())
+            protect = set(keys) if pin else set()
+            self._make_room(total, protect)
+            arena, base = self._reserve(total)
+            region = arena.arr[base : base + total]
+            offs = np.empty(n, np.int64)
+            offs[0] = 0
+            np.cumsum(lens[:-1], out=offs[1:])
+            sums = fill(region)
+            off_l, len_l = offs.tolist(), lens.tolist()
+            if sums is None:
+                fn = checksum_function(self._algo)
+                mv = region.data
+                cs = np.fromiter(
+                    (fn(mv[o : o + ln]) for o, ln in zip(off_l, len_l)), np.uint64, n
                 )
-                if status == PutStatus.DIVERGED and self._on_divergence == "raise":
-                    raise ObjectDivergenceError(
-                        f"artifact object {key} already exists with different "
-                        "bytes (strict divergence policy)"
-                    )
-                pending[(key, cs)] = len(mv)
-                pending_keys.add(key)
-                plan.append((key, mv, cs, status))
-            to_write = [p for p in plan if p[3] != PutStatus.IDENTICAL]
-            incoming = sum(len(p[1]) for p in to_write)
-            protect = {p[0] for p in plan} if pin else set()
-            self._make_room(incoming, protect)
-            records: list[bytes] = []
-            written: dict[tuple[str, int], _Loc] = {}
-            if to_write:
-                aid, off = self._write_objects([p[1] for p in to_write], incoming)
-                if self._fault_hook is not None:
-                    self._fault_hook("after_data")
-                for key, mv, cs, _status in to_write:
-                    written[(key, cs)] = _Loc(aid, off, len(mv))
-                    off += len(mv)
-            refs = []
-            for key, mv, cs, _status in plan:
-                loc = written.get((key, cs))
-                if loc is None:
-                    e = self._index.entries.get(key)
-                    loc = e.versions[cs] if e and cs in e.versions else None
-                    if loc is None:
-                        loc = written_or_pending(written, key, cs)
-                records.append(
-                    _RECORD.pack(
-                        _REC_PUT,
-                        loc.arena,
-                        bytes.fromhex(key),
-                        loc.offset,
-                        loc.length,
-                        cs,
-                    )
+            else:
+                cs = np.asarray(sums, np.uint64)
+                if cs.shape != (n,):
+                    raise ValueError("fill must return one checksum per object")
+            offs += base
+            if self._fault_hook is not None:
+                self._fault_hook("after_data")
+            idx = self._index
+            ver = idx.ver
+            fresh = not any(map(ver.__contains__, keys)) and len(set(keys)) == n
+            if fresh:
+                statuses = [PutStatus.WRITTEN] * n
+                recs = _records(_REC_PUT, kraw, arena.aid, offs, lens, cs)
+                self._append_log(recs)
+                idx.put_new(keys, cs, arena.aid, offs, lens)
+                self._stats.puts_written += n
+            else:
+                statuses, recs = self._classify(
+                    keys, kraw, cs, arena, offs, lens, region
                 )
-                refs.append(ObjectRef(key, cs, len(mv)))
-            self._append_log(records)
-            # Publication is complete; update the in-memory index.
-            statuses = []
-            for key, _mv, cs, status in plan:
-                loc = written.get((key, cs))
-                if loc is not None:
-                    self._index.apply(
-                        _REC_PUT, key, cs, loc.arena, loc.offset, loc.length
+                self._append_log(recs)
+                for i, key in enumerate(keys):
+                    r = recs[i]
+                    idx.put(
+                        key, int(r["cs"]), int(r["arena"]), int(r["off"]), int(r["len"])
                     )
-                    self._arena_objs[loc.arena][(key, cs)] = loc.length
-                else:
-                    e = self._index.entries[key]
-                    cur = e.versions[cs]
-                    self._index.apply(
-                        _REC_PUT, key, cs, cur.arena, cur.offset, cur.length
-                    )
-                if status == PutStatus.WRITTEN:
-                    self._stats.puts_written += 1
-                elif status == PutStatus.IDENTICAL:
-                    self._stats.puts_identical += 1
-                else:
-                    self._stats.divergences += 1
-                    logger.debug(
-                        "artifact object %s diverged (new checksum %#x)", key, cs
-                    )
-                statuses.append(status)
+            refs = tuple(
+                ObjectRef(k, c, ln) for k, c, ln in zip(keys, cs.tolist(), len_l)
+            )
             if pin:
-                for ref in refs:
-                    self._pins[ref.key] = self._pins.get(ref.key, 0) + 1
+                pins = self._pins
+                for key in keys:
+                    pins[key] = pins.get(key, 0) + 1
             self._maybe_compact_log()
             self._housekeeping()
-            return PutResult(tuple(refs), tuple(statuses))
+            return PutResult(refs, tuple(statuses))
 
-    def _same_bytes(self, loc: _Loc, mv: memoryview) -> bool:
-        if loc.length != len(mv):
-            return False
-        buf = bytearray(loc.length)
-        fd = _open_file(f"{loc.arena:016x}.arena", self._ns_fd, os.O_RDONLY, "arena")
-        try:
-            if not _read_exact(fd, memoryview(buf), loc.offset):
-                return False
-        finally:
-            os.close(fd)
-        return buf == mv
+    def _classify(
+        self,
+        keys: Sequence[str],
+        kraw: bytes,
+        cs: np.ndarray,
+        arena: _Arena,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        region: np.ndarray,
+    ) -> tuple[list[PutStatus], np.ndarray]:
+        """Slow path of a put that touches existing keys (or repeats a key):
+        identical re-puts point at the existing bytes, divergent ones become
+        new versions. Returns statuses and the index records."""
+        idx = self._index
+        arenas = np.full(len(keys), arena.aid, np.int64)
+        offs = offs.copy()
+        lens = lens.copy()
+        statuses: list[PutStatus] = []
+        pending: dict[tuple[str, int], int] = {}
+        pending_keys: set[str] = set()
+        base = int(offs[0]) - 0 if len(keys) else 0
+        rbase = base
+        for i, key in enumerate(keys):
+            c = int(cs[i])
+            vs = idx.ver.get(key)
+            lo = int(offs[i]) - rbase
+            mine = region[lo : lo + int(lens[i])]
+            j = pending.get((key, c))
+            if j is not None:
+                arenas[i], offs[i], lens[i] = arenas[j], offs[j], lens[j]
+                statuses.append(PutStatus.IDENTICAL)
+                continue
+            if vs is not None and c in vs:
+                s = vs[c]
+                old = self._map_arena(int(idx.arena[s]))
+                so, sl = int(idx.off[s]), int(idx.length[s])
+                if (
+                    sl == len(mine)
+                    and old.arr[so : so + sl].tobytes() == mine.tobytes()
+                ):
+                    arenas[i], offs[i], lens[i] = idx.arena[s], so, sl
+                    statuses.append(PutStatus.IDENTICAL)
+                    continue
+            status = (
+                PutStatus.DIVERGED if vs or key in pending_keys else PutStatus.WRITTEN
+            )
+            if status == PutStatus.DIVERGED and self._on_divergence == "raise":
+                raise ObjectDivergenceError(
+                    f"artifact object {key} already exists with different "
+                    "bytes (strict divergence policy)"
+                )
+            pending[(key, c)] = i
+            pending_keys.add(key)
+            statuses.append(status)
+        for st, key, c in zip(statuses, keys, cs.tolist()):
+            if st == PutStatus.WRITTEN:
+                self._stats.puts_written += 1
+            elif st == PutStatus.IDENTICAL:
+                self._stats.puts_identical += 1
+            else:
+                self._stats.divergences += 1
+                logger.debug("artifact object %s diverged (new checksum %#x)", key, c)
+        return statuses, _records(_REC_PUT, kraw, arenas, offs, lens, cs)
 
     def _maybe_compact_log(self) -> None:
         live = self._index.num_versions
@@ -966,26 +1240,34 @@ class ShmObjectStore(ObjectStore):
             _RECORD.size * (live + 1) + 4096
         ):
             return
-        records: list[bytes] = []
-        for key, e in self._index.entries.items():
-            kb = bytes.fromhex(key)
-            order = [cs for cs in e.versions if cs != e.current]
-            if e.current is not None:
-                order.append(e.current)
-            for cs in order:
-                loc = e.versions[cs]
-                records.append(
-                    _RECORD.pack(_REC_PUT, loc.arena, kb, loc.offset, loc.length, cs)
+        idx = self._index
+        parts = []
+        for key, vs in idx.ver.items():
+            cur = idx.cur.get(key)
+            order = [s for s in vs.values() if s != cur]
+            if cur is not None:
+                order.append(cur)
+            sl = np.array(order, np.int64)
+            kb = bytes.fromhex(key) * len(order)
+            parts.append(
+                _records(
+                    _REC_PUT, kb, idx.arena[sl], idx.off[sl], idx.length[sl], idx.cs[sl]
                 )
-            if e.current is None:
-                records.append(_RECORD.pack(_REC_NOCURRENT, 0, kb, 0, 0, 0))
+            )
+            if cur is None:
+                parts.append(_records(_REC_NOCURRENT, bytes.fromhex(key), 0, 0, 0, 0))
+        recs = (
+            np.concatenate(parts).astype(_REC_DTYPE, copy=False)
+            if parts
+            else np.zeros(0, _REC_DTYPE)
+        )
         tmp = f"{self._next_arena:016x}.tmp"
         self._next_arena += 1
         fd = _open_file(tmp, self._ns_fd, os.O_RDWR | os.O_CREAT | os.O_EXCL, "log")
         try:
             data = [_log_header(self._algo)]
-            for i in range(0, len(records), 4096):
-                data.append(_encode_batch(records[i : i + 4096]))
+            for i in range(0, recs.shape[0], 4096):
+                data.append(_encode_batch(recs[i : i + 4096]))
             size = _write_all(fd, data, 0)
             os.rename(tmp, INDEX_FILE, src_dir_fd=self._ns_fd, dst_dir_fd=self._ns_fd)
         except BaseException:
@@ -1024,15 +1306,15 @@ class ShmObjectStore(ObjectStore):
     def pin(self, keys: Iterable[KeyOrRef]) -> None:
         with self._lock:
             self._check_writer()
-            resolved = []
-            for k in keys:
-                r = self._index.resolve(k)
-                if r is None:
+            ks = list(keys)
+            slots = self._index.lookup(ks)
+            for k, s in zip(ks, slots):
+                if s is None:
                     raise ObjectMissingError(
                         f"cannot pin artifact object {ref_key(k)}: missing"
                     )
-                resolved.append(r[0])
-            for key in resolved:
+            for k in ks:
+                key = k.key if isinstance(k, ObjectRef) else k
                 self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, keys: Iterable[KeyOrRef]) -> None:
@@ -1051,43 +1333,24 @@ class ShmObjectStore(ObjectStore):
         with self._lock:
             self._check_open()
             self._refresh()
-            return self._index.resolve(key) is not None
+            ref_key(key)
+            return self._index.lookup([key])[0] is not None
 
-    def get_batch(self, keys: Sequence[KeyOrRef]) -> ObjectBatch:
-        """Read objects into one private buffer with one ``preadv`` per
-        contiguous run and verify every checksum."""
-        with self._lock:
-            self._check_open()
-            self._refresh()
-            for attempt in range(3):
-                try:
-                    return self._get_batch_once(keys)
-                except FileNotFoundError:
-                    # An arena was evicted between lookup and open: the log
-                    # already says where its objects went.
-                    if attempt == 2:
-                        raise
-                    if self._writer:
-                        continue
-                    self._refresh()
-            raise ArtifactStoreError("unreachable")  # pragma: no cover
-
-    def _get_batch_once(self, keys: Sequence[KeyOrRef]) -> ObjectBatch:
-        n = len(keys)
-        locs: list[_Loc] = []
-        sums: list[int] = []
-        resolve = self._index.resolve
-        for k in keys:
-            r = resolve(k)
-            if r is None:
-                key = ref_key(k)
+    def _locate(self, keys: Sequence[KeyOrRef]) -> np.ndarray:
+        """Slots of ``keys``, raising the typed error for the first one
+        that is missing."""
+        found = self._index.lookup(keys)
+        if None in found:
+            for k, s in zip(keys, found):
+                key = ref_key(k)  # InvalidKeyError for malformed keys
+                if s is not None:
+                    continue
                 what = (
                     f"version {k.checksum:#x} of artifact object {key}"
                     if isinstance(k, ObjectRef)
                     else f"artifact object {key}"
                 )
-                e = self._index.entries.get(key)
-                if isinstance(k, ObjectRef) or e is None:
+                if isinstance(k, ObjectRef) or key not in self._index.ver:
                     raise ObjectMissingError(
                         f"{what} is missing from store {self._namespace} "
                         "(never published, evicted, or from another namespace "
@@ -1097,62 +1360,161 @@ class ShmObjectStore(ObjectStore):
                     f"{what} has no current version (its latest version was "
                     "evicted after a divergence)"
                 )
-            locs.append(r[2])
-            sums.append(r[1])
-        lengths = np.fromiter((loc.length for loc in locs), np.int64, n)
-        offsets = np.zeros(n, np.int64)
-        if n > 1:
-            np.cumsum(lengths[:-1], out=offsets[1:])
-        total = int(lengths.sum()) if n else 0
-        data = np.empty(total, np.uint8)
-        out = data.data
-        # Merge runs of objects that are adjacent in one arena.
-        runs: list[tuple[int, int, int, int]] = []  # arena, src, dst, len
-        dst = 0
-        for loc in locs:
-            if runs:
-                a, src, d, ln = runs[-1]
-                if a == loc.arena and src + ln == loc.offset:
-                    runs[-1] = (a, src, d, ln + loc.length)
-                    dst += loc.length
-                    continue
-            runs.append((loc.arena, loc.offset, dst, loc.length))
-            dst += loc.length
-        fds: dict[int, int] = {}
-        try:
-            for a, src, d, ln in runs:
-                fd = fds.get(a)
-                if fd is None:
-                    fd = fds[a] = _open_file(
-                        f"{a:016x}.arena", self._ns_fd, os.O_RDONLY, "arena"
-                    )
-                if not _read_exact(fd, out[d : d + ln], src):
-                    self._stats.checksum_failures += 1
-                    raise ChecksumMismatchError(
-                        f"artifact arena {a:016x} in store {self._namespace} is "
-                        "shorter than its index says"
-                    )
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        algo = self._algo
-        off = 0
-        for i, (loc, cs) in enumerate(zip(locs, sums)):
-            if compute_checksum(algo, out[off : off + loc.length]) != cs:
+        return np.array(found, np.int64)
+
+    def _with_retry(self, op: Callable[[], _T]) -> _T:
+        with self._lock:
+            self._check_open()
+            self._refresh()
+            for attempt in range(3):
+                try:
+                    return op()
+                except FileNotFoundError:
+                    # An arena was evicted between lookup and open: the log
+                    # already says where its objects went.
+                    if attempt == 2 or self._writer:
+                        raise
+                    self._refresh()
+            raise ArtifactStoreError("unreachable")  # pragma: no cover
+
+    def get_batch(self, keys: Sequence[KeyOrRef]) -> ObjectBatch:
+        """Read objects into one private buffer and verify every checksum
+        on that copy."""
+        return self._with_retry(lambda: self._get_batch_once(keys))
+
+    def get_split(
+        self,
+        keys: Sequence[KeyOrRef],
+        trailer_nbytes: int,
+        out: np.ndarray,
+        body_nbytes: Sequence[int] | np.ndarray | None = None,
+    ) -> SplitBatch:
+        """See :meth:`ObjectStore.get_split`. Each object's checksum is
+        verified over the arena's bytes right before they are copied
+        (arena bytes are immutable once indexed); bodies go straight into
+        ``out``, one copy per byte."""
+        return self._with_retry(
+            lambda: self._get_split_once(keys, trailer_nbytes, out, body_nbytes)
+        )
+
+    def _resolve_many(
+        self, keys: Sequence[KeyOrRef]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[_Arena]]:
+        idx = self._index
+        slots = self._locate(keys)
+        aids, offs = idx.arena[slots], idx.off[slots]
+        lens, sums = idx.length[slots], idx.cs[slots]
+        maps = []
+        for aid in np.unique(aids).tolist():
+            a = self._map_arena(aid)
+            sel = aids == aid
+            bad = offs[sel] + lens[sel] > a.size
+            if bad.any():
                 self._stats.checksum_failures += 1
                 raise ChecksumMismatchError(
-                    f"artifact object {ref_key(keys[i])} in store "
-                    f"{self._namespace} failed its checksum (corrupted bytes)"
+                    f"artifact arena {aid:016x} in store {self._namespace} is "
+                    "shorter than its index says"
                 )
-            off += loc.length
-        return ObjectBatch(data, offsets, lengths, tuple(sums))
+            maps.append(a)
+        return aids, offs, lens, sums, maps
+
+    def _verify(
+        self,
+        keys: Sequence[KeyOrRef],
+        views: Sequence[memoryview],
+        offs: Sequence[int],
+        lens: Sequence[int],
+        sums: np.ndarray,
+    ) -> None:
+        fn = checksum_function(self._algo)
+        got = np.fromiter(
+            (fn(v[o : o + ln]) for v, o, ln in zip(views, offs, lens)),
+            np.uint64,
+            len(lens),
+        )
+        bad = got != sums
+        if bad.any():
+            i = int(np.argmax(bad))
+            self._stats.checksum_failures += 1
+            raise ChecksumMismatchError(
+                f"artifact object {ref_key(keys[i])} in store "
+                f"{self._namespace} failed its checksum (corrupted bytes)"
+            )
+
+    def _get_batch_once(self, keys: Sequence[KeyOrRef]) -> ObjectBatch:
+        n = len(keys)
+        aids, offs, lens, sums, maps = self._resolve_many(keys)
+        by_id = {a.aid: a for a in maps}
+        dst = np.zeros(n, np.int64)
+        if n > 1:
+            np.cumsum(lens[:-1], out=dst[1:])
+        data = np.empty(int(lens.sum()) if n else 0, np.uint8)
+        for aid, so, d, ln in _runs(aids, offs, lens, dst):
+            data[d : d + ln] = by_id[aid].arr[so : so + ln]
+        mv = data.data
+        self._verify(keys, [mv] * n, dst.tolist(), lens.tolist(), sums)
+        return ObjectBatch(data, dst, lens, tuple(sums.tolist()))
+
+    def _get_split_once(
+        self,
+        keys: Sequence[KeyOrRef],
+        trailer_nbytes: int,
+        out: np.ndarray,
+        body_nbytes: Sequence[int] | np.ndarray | None,
+    ) -> SplitBatch:
+        n = len(keys)
+        aids, offs, lens, sums, maps = self._resolve_many(keys)
+        bodies = self._check_split(lens, trailer_nbytes, out, body_nbytes)
+        by_id = {a.aid: a for a in maps}
+        aid_l = aids.tolist()
+        self._verify(
+            keys, [by_id[a].mm for a in aid_l], offs.tolist(), lens.tolist(), sums
+        )
+        trailers = np.empty((n, trailer_nbytes), np.uint8)
+        if trailer_nbytes:
+            tcol = np.arange(trailer_nbytes)
+            for a in maps:
+                sel = np.flatnonzero(aids == a.aid)
+                start = offs[sel] + bodies[sel]
+                trailers[sel] = a.arr[start[:, None] + tcol]
+        dst = np.zeros(n, np.int64)
+        if n > 1:
+            np.cumsum(bodies[:-1], out=dst[1:])
+        omv = out.data
+        # Runs of equal-size objects adjacent in one arena: one strided copy.
+        i = 0
+        lens_l, offs_l, bodies_l, dst_l = (
+            lens.tolist(),
+            offs.tolist(),
+            bodies.tolist(),
+            dst.tolist(),
+        )
+        while i < n:
+            j = i + 1
+            size = lens_l[i]
+            while (
+                j < n
+                and aid_l[j] == aid_l[i]
+                and lens_l[j] == size
+                and offs_l[j] == offs_l[j - 1] + size
+            ):
+                j += 1
+            a = by_id[aid_l[i]]
+            o, b, d = offs_l[i], bodies_l[i], dst_l[i]
+            if j == i + 1:
+                omv[d : d + b] = a.mm[o : o + b]
+            else:
+                src = a.arr[o : o + (j - i) * size].reshape(j - i, size)[:, :b]
+                out[d : d + (j - i) * b].reshape(j - i, b)[...] = src
+            i = j
+        return SplitBatch(trailers, lens, sums)
 
     # ----------------------------------------------------------- misc
     def stats(self) -> StoreStats:
         with self._lock:
             s = self._stats
             s.objects = self._index.num_versions
-            s.keys = len(self._index.entries)
+            s.keys = len(self._index.ver)
             s.pinned_keys = len(self._pins)
             if self._writer:
                 s.used_bytes = self._used()
@@ -1172,14 +1534,15 @@ class ShmObjectStore(ObjectStore):
             )
 
     def close(self) -> None:
-        """Close handles. A writer removes its namespace unless it was
-        created with ``remove_on_close=False`` (then TTL collection removes
-        it after the writer is gone)."""
+        """Close handles and mappings. A writer removes its namespace unless
+        it was created with ``remove_on_close=False`` (then TTL collection
+        removes it after the writer is gone)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for attr in ("_active_fd", "_log_fd", "_writer_fd"):
+            self._unmap_all()
+            for attr in ("_log_fd", "_writer_fd"):
                 fd = getattr(self, attr)
                 if fd >= 0:
                     with contextlib.suppress(OSError):
@@ -1198,19 +1561,35 @@ class ShmObjectStore(ObjectStore):
     def __del__(self) -> None:
         # Only release descriptors; never delete files from a finaliser.
         if not getattr(self, "_closed", True):
-            for attr in ("_active_fd", "_log_fd", "_writer_fd", "_ns_fd", "_root_fd"):
+            for attr in ("_log_fd", "_writer_fd", "_ns_fd", "_root_fd"):
                 fd = getattr(self, attr, -1)
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
 
 
-def written_or_pending(written: dict[tuple[str, int], _Loc], key: str, cs: int) -> _Loc:
-    """Location of a version written earlier in the same batch."""
-    loc = written.get((key, cs))
-    if loc is None:  # pragma: no cover - plan guarantees one exists
-        raise ArtifactStoreError(f"internal: no location for {key}")
-    return loc
+def _runs(
+    aids: np.ndarray, offs: np.ndarray, lens: np.ndarray, dst: np.ndarray
+) -> list[tuple[int, int, int, int]]:
+    """Merge objects adjacent in one arena (and in the output) into
+    (arena, source offset, destination offset, length) runs."""
+    n = aids.shape[0]
+    if n == 0:
+        return []
+    brk = np.ones(n, np.bool_)
+    brk[1:] = (aids[1:] != aids[:-1]) | (offs[1:] != offs[:-1] + lens[:-1])
+    starts = np.flatnonzero(brk)
+    ends = np.append(starts[1:], n)
+    run_len = np.add.reduceat(lens, starts)
+    del ends
+    return list(
+        zip(
+            aids[starts].tolist(),
+            offs[starts].tolist(),
+            dst[starts].tolist(),
+            run_len.tolist(),
+        )
+    )
 
 
 # --------------------------------------------------------------------------
