@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -31,10 +31,14 @@ import numpy as np
 from vllm.distributed.artifact_connector.store import (
     KEY_NBYTES,
     ArtifactError,
+    ChecksumAlgorithm,
     ObjectBatch,
     ObjectRef,
+    ObjectSizeError,
     ObjectStore,
-    validate_key,
+    XXH3State,
+    checksum_function,
+    validate_keys,
 )
 
 SCHEMA_VERSION = 1
@@ -42,7 +46,6 @@ ENVELOPE_MAGIC = b"VART"
 ENVELOPE = struct.Struct("<4sHBBHHIIQ32sB3x")
 ENVELOPE_NBYTES = ENVELOPE.size  # 64
 FLAG_TAIL = 1
-_CHECKSUM_CRC32 = 1
 
 _DTYPE_CODES: dict[np.dtype, int] = {np.dtype(np.uint8): 1, np.dtype(np.uint16): 2}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
@@ -165,14 +168,29 @@ class KeySpace:
             len(self.weight_version),
             self.weight_version.encode(),
         )
-        object.__setattr__(self, "_base", hashlib.sha256(prefix))
+        object.__setattr__(self, "_prefix", prefix)
 
     def _derive(self, kind: bytes, block_hash: bytes, num_tokens: int) -> str:
         if not isinstance(block_hash, bytes | bytearray) or not block_hash:
             raise CoverageError("block hash must be non-empty bytes")
-        h = self._base.copy()  # type: ignore[attr-defined]
-        h.update(kind + struct.pack("<II", len(block_hash), num_tokens) + block_hash)
-        return h.hexdigest()
+        return hashlib.sha256(
+            self._prefix  # type: ignore[attr-defined]
+            + kind
+            + struct.pack("<II", len(block_hash), num_tokens)
+            + block_hash
+        ).hexdigest()
+
+    def block_keys(self, block_hashes: Sequence[bytes], block_size: int) -> list[str]:
+        """``[block_key(h, block_size) for h in block_hashes]``, faster."""
+        sha, pre = hashlib.sha256, self._prefix  # type: ignore[attr-defined]
+        out = []
+        for h in block_hashes:
+            if not isinstance(h, bytes | bytearray) or not h:
+                raise CoverageError("block hash must be non-empty bytes")
+            out.append(
+                sha(pre + b"F" + struct.pack("<II", len(h), block_size) + h).hexdigest()
+            )
+        return out
 
     def block_key(self, block_hash: bytes, block_size: int) -> str:
         """Key of a full hash block (``block_size`` rows)."""
@@ -258,14 +276,10 @@ def plan_coverage(
             f"request has {num_rows} rows ({n_full} full blocks of {block_size}) "
             f"but only {len(block_hashes)} block hashes"
         )
+    b0 = first_row // block_size
     segs = [
-        Segment(
-            keyspace.block_key(block_hashes[b], block_size),
-            b * block_size,
-            block_size,
-            False,
-        )
-        for b in range(first_row // block_size, n_full)
+        Segment(k, (b0 + i) * block_size, block_size, False)
+        for i, k in enumerate(keyspace.block_keys(block_hashes[b0:n_full], block_size))
     ]
     tail = num_rows - n_full * block_size
     if tail:
@@ -282,28 +296,63 @@ def plan_coverage(
     return segs
 
 
-def check_coverage(segments: Sequence[Segment], num_rows: int) -> None:
-    """Raise :class:`CoverageError` unless ``segments`` cover ``[0,
-    num_rows)`` in order, without gap or overlap, with only the last one a
-    tail."""
-    pos = 0
-    for i, s in enumerate(segments):
-        if s.start != pos:
-            kind = "gap" if s.start > pos else "overlap"
+_get_start = attrgetter("start")
+_get_rows = attrgetter("num_rows")
+_get_tail = attrgetter("is_tail")
+_get_key = attrgetter("key")
+
+
+def _segment_arrays(
+    segments: Sequence[Segment],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = len(segments)
+    return (
+        np.fromiter(map(_get_start, segments), np.int64, n),
+        np.fromiter(map(_get_rows, segments), np.int64, n),
+        np.fromiter(map(_get_tail, segments), np.bool_, n),
+    )
+
+
+def _check_coverage_arrays(
+    starts: np.ndarray, nrows: np.ndarray, tails: np.ndarray, num_rows: int
+) -> None:
+    n = starts.shape[0]
+    prev_end = np.zeros(n, np.int64)
+    if n > 1:
+        np.cumsum(nrows[:-1], out=prev_end[1:])
+    # prev_end[i] is where object i must start if all before it are right;
+    # the first failing object is reported, as a sequential scan would.
+    gap = starts != prev_end
+    empty = nrows <= 0
+    tail_mid = tails.copy()
+    if n:
+        tail_mid[-1] = False
+    bad = gap | empty | tail_mid
+    if bad.any():
+        i = int(np.argmax(bad))
+        pos = int(prev_end[i])
+        if gap[i]:
+            kind = "gap" if starts[i] > pos else "overlap"
             raise CoverageError(
                 f"artifact coverage has a {kind} at row {pos} (object {i} starts "
-                f"at row {s.start})"
+                f"at row {int(starts[i])})"
             )
-        if s.num_rows <= 0:
+        if empty[i]:
             raise CoverageError(f"object {i} covers no rows")
-        if s.is_tail and i != len(segments) - 1:
-            raise CoverageError(f"tail object {i} is not the last object")
-        pos = s.end
+        raise CoverageError(f"tail object {i} is not the last object")
+    pos = int(starts[-1] + nrows[-1]) if n else 0
     if pos != num_rows:
         raise CoverageError(
             f"artifact objects cover rows [0, {pos}) but the request has "
             f"{num_rows} rows"
         )
+
+
+def check_coverage(segments: Sequence[Segment], num_rows: int) -> None:
+    """Raise :class:`CoverageError` unless ``segments`` cover ``[0,
+    num_rows)`` in order, without gap or overlap, with only the last one a
+    tail (vectorised over all segments)."""
+    _check_coverage_arrays(*_segment_arrays(segments), num_rows)
 
 
 # --------------------------------------------------------------------------
@@ -315,77 +364,125 @@ def _key_bytes(keys: Sequence[str]) -> np.ndarray:
     )
 
 
+def _validate_segments(
+    spec: RowSpec, segments: Sequence[Segment], rows: np.ndarray, rows_start: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    spec.check_rows(rows)
+    validate_keys(list(map(_get_key, segments)))
+    starts, nrows, tails = _segment_arrays(segments)
+    bad = (starts < rows_start) | (starts + nrows > rows_start + rows.shape[0])
+    bad |= nrows <= 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise EnvelopeError(
+            f"segment rows [{int(starts[i])}, {int(starts[i] + nrows[i])}) are "
+            f"not inside the given rows [{rows_start}, "
+            f"{rows_start + rows.shape[0]})"
+        )
+    return starts, nrows, tails
+
+
+def _object_sizes(spec: RowSpec, nrows: np.ndarray) -> np.ndarray:
+    return nrows * spec.row_nbytes + ENVELOPE_NBYTES
+
+
+def _encode_into(
+    spec: RowSpec,
+    segments: Sequence[Segment],
+    starts: np.ndarray,
+    nrows: np.ndarray,
+    tails: np.ndarray,
+    rows: np.ndarray,
+    rows_start: int,
+    buf: np.ndarray,
+    algo: ChecksumAlgorithm,
+) -> np.ndarray | None:
+    """Write the objects of ``segments`` back to back into ``buf``: payload
+    rows then envelope. The envelope records the payload checksum
+    (``algo``). With xxh3 the same streaming pass also yields each whole
+    object's checksum, returned for the store (one pass over the bytes);
+    with CRC-32 returns ``None`` and the store hashes."""
+    n = len(segments)
+    rb = spec.row_nbytes
+    flat = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+    sizes = _object_sizes(spec, nrows)
+    offs = np.zeros(n, np.int64)
+    if n > 1:
+        np.cumsum(sizes[:-1], out=offs[1:])
+    # Payloads: one strided copy per run of equal-size, row-contiguous
+    # segments (all full blocks of a publication form one run).
+    sz, st, of = sizes.tolist(), starts.tolist(), offs.tolist()
+    i = 0
+    while i < n:
+        j = i + 1
+        per = (sz[i] - ENVELOPE_NBYTES) // rb
+        while j < n and sz[j] == sz[i] and st[j] == st[j - 1] + per:
+            j += 1
+        p = sz[i] - ENVELOPE_NBYTES
+        lo = (st[i] - rows_start) * rb
+        dst = buf[of[i] : of[i] + (j - i) * sz[i]].reshape(j - i, sz[i])
+        dst[:, :p] = flat[lo : lo + (j - i) * p].reshape(j - i, p)
+        i = j
+    env = np.zeros(n, _ENV_DTYPE)
+    env["magic"] = np.frombuffer(ENVELOPE_MAGIC, "V4")[0]
+    env["schema"] = SCHEMA_VERSION
+    env["dtype"] = _DTYPE_CODES[spec.dtype]
+    env["flags"] = np.where(tails, FLAG_TAIL, 0)
+    env["layers"] = spec.num_layers
+    env["top_k"] = spec.top_k
+    env["start"] = starts
+    env["rows"] = nrows
+    env["algo"] = int(algo)
+    env_u8 = env.view(np.uint8).reshape(n, ENVELOPE_NBYTES)
+    env_u8[:, 28:60] = np.frombuffer(
+        validate_keys(list(map(_get_key, segments))), np.uint8
+    ).reshape(n, KEY_NBYTES)
+    mv = buf.data
+    ends = (offs + sizes - ENVELOPE_NBYTES).tolist()
+    obj_sums: np.ndarray | None = None
+    if algo == ChecksumAlgorithm.XXH3_64 and XXH3State is not None:
+        states = [XXH3State(mv[o:e]) for o, e in zip(of, ends)]
+        env["checksum"] = np.fromiter((h.intdigest() for h in states), np.uint64, n)
+    else:
+        fn = checksum_function(algo)
+        env["checksum"] = np.fromiter(
+            (fn(mv[o:e]) for o, e in zip(of, ends)), np.uint64, n
+        )
+        states = []
+    tr = (offs + sizes - ENVELOPE_NBYTES)[:, None] + np.arange(ENVELOPE_NBYTES)
+    buf[tr] = env_u8
+    if states:
+        for h, e in zip(states, ends):
+            h.update(mv[e : e + ENVELOPE_NBYTES])
+        obj_sums = np.fromiter((h.intdigest() for h in states), np.uint64, n)
+    return obj_sums
+
+
 def encode_segments(
     spec: RowSpec,
     segments: Sequence[Segment],
     rows: np.ndarray,
     rows_start: int,
+    *,
+    checksum: ChecksumAlgorithm = ChecksumAlgorithm.XXH3_64,
 ) -> list[tuple[str, memoryview]]:
     """Encode objects for ``segments`` from ``rows`` (rows ``[rows_start,
     rows_start + len(rows))``). Returns ``(key, bytes)`` items ready for
-    :meth:`ObjectStore.put_many`. Objects of equal size are built with one
-    vectorised copy into one buffer; the only per-object work is the payload
-    checksum."""
-    spec.check_rows(rows)
+    :meth:`ObjectStore.put_many`, all views of one buffer.
+    :func:`publish_rows` encodes straight into the store instead."""
     if not segments:
+        spec.check_rows(rows)
         return []
-    for s in segments:
-        validate_key(s.key)
-        if (
-            s.start < rows_start
-            or s.end > rows_start + rows.shape[0]
-            or s.num_rows <= 0
-        ):
-            raise EnvelopeError(
-                f"segment rows [{s.start}, {s.end}) are not inside the given "
-                f"rows [{rows_start}, {rows_start + rows.shape[0]})"
-            )
+    starts, nrows, tails = _validate_segments(spec, segments, rows, rows_start)
+    sizes = _object_sizes(spec, nrows)
+    buf = np.empty(int(sizes.sum()), np.uint8)
+    _encode_into(spec, segments, starts, nrows, tails, rows, rows_start, buf, checksum)
     out: list[tuple[str, memoryview]] = []
-    i = 0
-    flat = np.ascontiguousarray(rows).reshape(rows.shape[0], -1).view(np.uint8)
-    while i < len(segments):
-        # Group a run of contiguous segments of equal size.
-        j = i + 1
-        while (
-            j < len(segments)
-            and segments[j].num_rows == segments[i].num_rows
-            and segments[j].start == segments[j - 1].end
-            and segments[j].is_tail == segments[i].is_tail
-        ):
-            j += 1
-        out.extend(_encode_run(spec, segments[i:j], flat, rows_start))
-        i = j
+    o = 0
+    for seg, size in zip(segments, sizes.tolist()):
+        out.append((seg.key, buf.data[o : o + size]))
+        o += size
     return out
-
-
-def _encode_run(
-    spec: RowSpec, segs: Sequence[Segment], flat: np.ndarray, rows_start: int
-) -> list[tuple[str, memoryview]]:
-    n = len(segs)
-    r = segs[0].num_rows
-    p = r * spec.row_nbytes
-    size = p + ENVELOPE_NBYTES
-    buf = np.empty((n, size), np.uint8)
-    lo = segs[0].start - rows_start
-    buf[:, :p] = flat[lo : lo + n * r].reshape(n, p)
-    env = np.zeros(n, _ENV_DTYPE)
-    env["magic"] = np.frombuffer(ENVELOPE_MAGIC, "V4")[0]
-    env["schema"] = SCHEMA_VERSION
-    env["dtype"] = _DTYPE_CODES[spec.dtype]
-    env["flags"] = FLAG_TAIL if segs[0].is_tail else 0
-    env["layers"] = spec.num_layers
-    env["top_k"] = spec.top_k
-    env["start"] = np.fromiter((s.start for s in segs), np.uint32, n)
-    env["rows"] = r
-    env["algo"] = _CHECKSUM_CRC32
-    env_u8 = env.view(np.uint8).reshape(n, ENVELOPE_NBYTES)
-    env_u8[:, 28:60] = _key_bytes([s.key for s in segs])
-    crc = zlib.crc32
-    env["checksum"] = np.fromiter(
-        (crc(buf[k, :p].data) for k in range(n)), np.uint64, n
-    )
-    buf[:, p:] = env_u8
-    return [(s.key, buf[k].data) for k, s in enumerate(segs)]
 
 
 # --------------------------------------------------------------------------
@@ -408,10 +505,20 @@ def decode_object(
         0
     ]
     payload = raw[:-ENVELOPE_NBYTES]
-    if verify_checksum and zlib.crc32(payload.data) != int(env["checksum"][0]):
+    if verify_checksum and _payload_checksum(int(env["algo"][0]), payload.data) != int(
+        env["checksum"][0]
+    ):
         raise EnvelopeError(f"artifact object {seg.key} failed its payload checksum")
     rows = payload.copy().view(spec.dtype).reshape(seg.num_rows, *spec.row_shape)
     return seg, rows
+
+
+def _payload_checksum(algo_id: int, payload: memoryview | np.ndarray) -> int:
+    try:
+        algo = ChecksumAlgorithm(algo_id)
+    except ValueError as e:
+        raise EnvelopeError(f"unknown envelope checksum algorithm {algo_id}") from e
+    return int(checksum_function(algo)(payload))
 
 
 def _check_envelopes(
@@ -421,6 +528,20 @@ def _check_envelopes(
     expected: Sequence[Segment] | None,
 ) -> list[Segment]:
     """Vectorised envelope validation; returns the decoded segments."""
+    if expected is None:
+        return _check_envelope_arrays(env, spec, lengths, None)
+    starts, nrows, tails = _segment_arrays(expected)
+    keys = list(map(_get_key, expected))
+    _check_envelope_arrays(env, spec, lengths, (starts, nrows, tails, keys))
+    return list(expected)
+
+
+def _check_envelope_arrays(
+    env: np.ndarray,
+    spec: RowSpec,
+    lengths: Sequence[int] | np.ndarray,
+    expected: tuple[np.ndarray, np.ndarray, np.ndarray, list[str]] | None,
+) -> list[Segment]:
     n = env.shape[0]
     lengths = np.asarray(lengths, np.int64)
     bad = env["magic"] != np.frombuffer(ENVELOPE_MAGIC, "V4")[0]
@@ -456,11 +577,9 @@ def _check_envelopes(
         )
     keys_u8 = env.view(np.uint8).reshape(n, ENVELOPE_NBYTES)[:, 28:60]
     if expected is not None:
-        if len(expected) != n:
-            raise CoverageError(f"expected {len(expected)} objects, got {n}")
-        exp_start = np.fromiter((s.start for s in expected), np.int64, n)
-        exp_rows = np.fromiter((s.num_rows for s in expected), np.int64, n)
-        exp_tail = np.fromiter((s.is_tail for s in expected), np.bool_, n)
+        exp_start, exp_rows, exp_tail, exp_keys = expected
+        if len(exp_keys) != n:
+            raise CoverageError(f"expected {len(exp_keys)} objects, got {n}")
         bad = (
             (env["start"] != exp_start)
             | (env["rows"] != exp_rows)
@@ -471,16 +590,17 @@ def _check_envelopes(
             raise EnvelopeError(
                 f"object {i} covers rows [{int(env['start'][i])}, "
                 f"{int(env['start'][i]) + int(env['rows'][i])}), expected "
-                f"[{expected[i].start}, {expected[i].end})"
+                f"[{int(exp_start[i])}, {int(exp_start[i] + exp_rows[i])})"
             )
-        bad = (keys_u8 != _key_bytes([s.key for s in expected])).any(axis=1)
+        want = np.frombuffer(validate_keys(exp_keys), np.uint8).reshape(n, KEY_NBYTES)
+        bad = (keys_u8 != want).any(axis=1)
         if bad.any():
             i = int(np.argmax(bad))
             raise EnvelopeError(
                 f"object {i} carries key {bytes(keys_u8[i]).hex()}, expected "
-                f"{expected[i].key}"
+                f"{exp_keys[i]}"
             )
-        return list(expected)
+        return []
     return [
         Segment(
             bytes(keys_u8[i]).hex(),
@@ -525,9 +645,9 @@ def materialize(
         mv = data.data
         for i in range(n):
             o = int(offsets[i])
-            if zlib.crc32(mv[o : o + int(lengths[i]) - ENVELOPE_NBYTES]) != int(
-                env["checksum"][i]
-            ):
+            if _payload_checksum(
+                int(env["algo"][i]), mv[o : o + int(lengths[i]) - ENVELOPE_NBYTES]
+            ) != int(env["checksum"][i]):
                 raise EnvelopeError(
                     f"artifact object {segments[i].key} failed its payload checksum"
                 )
@@ -585,13 +705,10 @@ def publish_rows(
             f"block hashes for blocks [{b0}, {b0 + n_full}) are not available"
         )
     segs = [
-        Segment(
-            keyspace.block_key(block_hashes[lo + i], block_size),
-            (b0 + i) * block_size,
-            block_size,
-            False,
+        Segment(k, (b0 + i) * block_size, block_size, False)
+        for i, k in enumerate(
+            keyspace.block_keys(block_hashes[lo : lo + n_full], block_size)
         )
-        for i in range(n_full)
     ]
     tail = end - (b0 + n_full) * block_size
     if tail:
@@ -600,7 +717,17 @@ def publish_rows(
         segs.append(Segment(keyspace.tail_key(tail_hash, tail), end - tail, tail, True))
     if not segs:
         return []
-    result = store.put_many(encode_segments(spec, segs, rows, first_row), pin=pin)
+    starts, nrows, tails = _validate_segments(spec, segs, rows, first_row)
+    algo = store.checksum_algorithm
+
+    def fill(buf: np.ndarray) -> np.ndarray | None:
+        return _encode_into(
+            spec, segs, starts, nrows, tails, rows, first_row, buf, algo
+        )
+
+    result = store.put_packed(
+        [s.key for s in segs], _object_sizes(spec, nrows), fill, pin=pin
+    )
     return list(zip(segs, result.refs))
 
 
@@ -610,16 +737,53 @@ def read_request(
     segments: Sequence[Segment],
     num_rows: int,
     versions: Sequence[ObjectRef | None] | None = None,
+    *,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Read and assemble a request's array. ``versions[i]``, when given,
     names the exact version of ``segments[i]`` (the ones the request itself
     published); otherwise the key's current version is read (prefix-cache
-    hits)."""
-    check_coverage(segments, num_rows)
-    keys: list[str | ObjectRef] = []
-    for i, s in enumerate(segments):
-        v = versions[i] if versions is not None else None
-        if v is not None and v.key != s.key:
-            raise CoverageError(f"version {i} names key {v.key}, expected {s.key}")
-        keys.append(v if v is not None else s.key)
-    return materialize(spec, segments, store.get_batch(keys), num_rows)
+    hits). The store copies each object's rows straight into the result
+    (``out`` if given: a C-contiguous ``[num_rows, L, K]`` array of the
+    spec's dtype); envelopes are checked, vectorised, before it is
+    returned. Every inconsistency raises; nothing partial is returned."""
+    starts, nrows, tails = _segment_arrays(segments)
+    _check_coverage_arrays(starts, nrows, tails, num_rows)
+    keys_s = list(map(_get_key, segments))
+    keys: list[str | ObjectRef] = list(keys_s)
+    if versions is not None:
+        if len(versions) != len(segments):
+            raise CoverageError(
+                f"{len(versions)} versions given for {len(segments)} objects"
+            )
+        for i, v in enumerate(versions):
+            if v is None:
+                continue
+            if v.key != keys_s[i]:
+                raise CoverageError(
+                    f"version {i} names key {v.key}, expected {keys_s[i]}"
+                )
+            keys[i] = v
+    shape = (num_rows, *spec.row_shape)
+    if out is None:
+        out = np.empty(shape, spec.dtype)
+    elif out.shape != shape or out.dtype != spec.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {list(shape)} {spec.dtype} array")
+    n = len(segments)
+    if n == 0:
+        return out
+    try:
+        got = store.get_split(
+            keys,
+            ENVELOPE_NBYTES,
+            out.reshape(-1).view(np.uint8),
+            body_nbytes=nrows * spec.row_nbytes,
+        )
+    except ObjectSizeError as e:
+        raise EnvelopeError(
+            f"object {e.index} ({keys_s[e.index]}) does not have the size its "
+            f"segment needs: {e}"
+        ) from e
+    env = np.ascontiguousarray(got.trailers).view(_ENV_DTYPE).reshape(n)
+    _check_envelope_arrays(env, spec, got.lengths, (starts, nrows, tails, keys_s))
+    return out
