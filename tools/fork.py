@@ -39,8 +39,8 @@ import sys
 import sysconfig
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
