@@ -20,11 +20,12 @@ range, the object's key and a checksum of the payload.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -182,14 +183,14 @@ class KeySpace:
 
     def block_keys(self, block_hashes: Sequence[bytes], block_size: int) -> list[str]:
         """``[block_key(h, block_size) for h in block_hashes]``, faster."""
-        sha, pre = hashlib.sha256, self._prefix  # type: ignore[attr-defined]
+        sha = hashlib.sha256
+        pre32 = self._prefix + b"F" + struct.pack("<II", 32, block_size)  # type: ignore[attr-defined]
         out = []
         for h in block_hashes:
-            if not isinstance(h, bytes | bytearray) or not h:
-                raise CoverageError("block hash must be non-empty bytes")
-            out.append(
-                sha(pre + b"F" + struct.pack("<II", len(h), block_size) + h).hexdigest()
-            )
+            if type(h) is bytes and len(h) == 32:  # the common case
+                out.append(sha(pre32 + h).hexdigest())
+            else:
+                out.append(self.block_key(h, block_size))
         return out
 
     def block_key(self, block_hash: bytes, block_size: int) -> str:
@@ -225,9 +226,9 @@ def tail_block_hash(
 # --------------------------------------------------------------------------
 # Coverage
 # --------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One object in a request's coverage: rows ``[start, start + num_rows)``."""
+class Segment(NamedTuple):
+    """One object in a request's coverage: rows ``[start, start + num_rows)``
+    (an immutable named tuple: cheap to create in bulk)."""
 
     key: str
     start: int
@@ -386,9 +387,13 @@ def _object_sizes(spec: RowSpec, nrows: np.ndarray) -> np.ndarray:
     return nrows * spec.row_nbytes + ENVELOPE_NBYTES
 
 
+def _intdigest(h: Any) -> int:
+    return h.intdigest()
+
+
 def _encode_into(
     spec: RowSpec,
-    segments: Sequence[Segment],
+    kraw: bytes,
     starts: np.ndarray,
     nrows: np.ndarray,
     tails: np.ndarray,
@@ -402,27 +407,13 @@ def _encode_into(
     (``algo``). With xxh3 the same streaming pass also yields each whole
     object's checksum, returned for the store (one pass over the bytes);
     with CRC-32 returns ``None`` and the store hashes."""
-    n = len(segments)
+    n = starts.shape[0]
     rb = spec.row_nbytes
     flat = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
     sizes = _object_sizes(spec, nrows)
     offs = np.zeros(n, np.int64)
     if n > 1:
         np.cumsum(sizes[:-1], out=offs[1:])
-    # Payloads: one strided copy per run of equal-size, row-contiguous
-    # segments (all full blocks of a publication form one run).
-    sz, st, of = sizes.tolist(), starts.tolist(), offs.tolist()
-    i = 0
-    while i < n:
-        j = i + 1
-        per = (sz[i] - ENVELOPE_NBYTES) // rb
-        while j < n and sz[j] == sz[i] and st[j] == st[j - 1] + per:
-            j += 1
-        p = sz[i] - ENVELOPE_NBYTES
-        lo = (st[i] - rows_start) * rb
-        dst = buf[of[i] : of[i] + (j - i) * sz[i]].reshape(j - i, sz[i])
-        dst[:, :p] = flat[lo : lo + (j - i) * p].reshape(j - i, p)
-        i = j
     env = np.zeros(n, _ENV_DTYPE)
     env["magic"] = np.frombuffer(ENVELOPE_MAGIC, "V4")[0]
     env["schema"] = SCHEMA_VERSION
@@ -434,27 +425,45 @@ def _encode_into(
     env["rows"] = nrows
     env["algo"] = int(algo)
     env_u8 = env.view(np.uint8).reshape(n, ENVELOPE_NBYTES)
-    env_u8[:, 28:60] = np.frombuffer(
-        validate_keys(list(map(_get_key, segments))), np.uint8
-    ).reshape(n, KEY_NBYTES)
+    env_u8[:, 28:60] = np.frombuffer(kraw, np.uint8).reshape(n, KEY_NBYTES)
+    # Runs of equal-size, row-contiguous segments (all full blocks of a
+    # publication form one run): one strided copy for the payloads and one
+    # for the envelopes per run.
+    sz, st, of = sizes.tolist(), starts.tolist(), offs.tolist()
+    runs = []
+    i = 0
+    while i < n:
+        j = i + 1
+        per = (sz[i] - ENVELOPE_NBYTES) // rb
+        while j < n and sz[j] == sz[i] and st[j] == st[j - 1] + per:
+            j += 1
+        p = sz[i] - ENVELOPE_NBYTES
+        lo = (st[i] - rows_start) * rb
+        dst = buf[of[i] : of[i] + (j - i) * sz[i]].reshape(j - i, sz[i])
+        dst[:, :p] = flat[lo : lo + (j - i) * p].reshape(j - i, p)
+        runs.append((i, j, dst, p))
+        i = j
     mv = buf.data
     ends = (offs + sizes - ENVELOPE_NBYTES).tolist()
     obj_sums: np.ndarray | None = None
+    states: list[Any] = []
     if algo == ChecksumAlgorithm.XXH3_64 and XXH3State is not None:
-        states = [XXH3State(mv[o:e]) for o, e in zip(of, ends)]
-        env["checksum"] = np.fromiter((h.intdigest() for h in states), np.uint64, n)
+        states = list(map(XXH3State, map(mv.__getitem__, map(slice, of, ends))))
+        env["checksum"] = np.fromiter(map(_intdigest, states), np.uint64, n)
     else:
         fn = checksum_function(algo)
         env["checksum"] = np.fromiter(
-            (fn(mv[o:e]) for o, e in zip(of, ends)), np.uint64, n
+            map(fn, map(mv.__getitem__, map(slice, of, ends))), np.uint64, n
         )
-        states = []
-    tr = (offs + sizes - ENVELOPE_NBYTES)[:, None] + np.arange(ENVELOPE_NBYTES)
-    buf[tr] = env_u8
+    for i, j, dst, p in runs:
+        dst[:, p:] = env_u8[i:j]
     if states:
-        for h, e in zip(states, ends):
-            h.update(mv[e : e + ENVELOPE_NBYTES])
-        obj_sums = np.fromiter((h.intdigest() for h in states), np.uint64, n)
+        trail = map(
+            mv.__getitem__, map(slice, ends, (e + ENVELOPE_NBYTES for e in ends))
+        )
+        for h, t in zip(states, trail):
+            h.update(t)
+        obj_sums = np.fromiter(map(_intdigest, states), np.uint64, n)
     return obj_sums
 
 
@@ -476,7 +485,8 @@ def encode_segments(
     starts, nrows, tails = _validate_segments(spec, segments, rows, rows_start)
     sizes = _object_sizes(spec, nrows)
     buf = np.empty(int(sizes.sum()), np.uint8)
-    _encode_into(spec, segments, starts, nrows, tails, rows, rows_start, buf, checksum)
+    kraw = validate_keys(list(map(_get_key, segments)))
+    _encode_into(spec, kraw, starts, nrows, tails, rows, rows_start, buf, checksum)
     out: list[tuple[str, memoryview]] = []
     o = 0
     for seg, size in zip(segments, sizes.tolist()):
@@ -704,30 +714,41 @@ def publish_rows(
         raise CoverageError(
             f"block hashes for blocks [{b0}, {b0 + n_full}) are not available"
         )
-    segs = [
-        Segment(k, (b0 + i) * block_size, block_size, False)
-        for i, k in enumerate(
-            keyspace.block_keys(block_hashes[lo : lo + n_full], block_size)
+    keys = keyspace.block_keys(block_hashes[lo : lo + n_full], block_size)
+    segs = list(
+        map(
+            Segment,
+            keys,
+            range(b0 * block_size, (b0 + n_full) * block_size, block_size),
+            itertools.repeat(block_size, n_full),
+            itertools.repeat(False, n_full),
         )
-    ]
+    )
     tail = end - (b0 + n_full) * block_size
     if tail:
         if tail_hash is None:  # pragma: no cover - checked above
             raise CoverageError("tail rows without a tail hash")
-        segs.append(Segment(keyspace.tail_key(tail_hash, tail), end - tail, tail, True))
+        keys.append(keyspace.tail_key(tail_hash, tail))
+        segs.append(Segment(keys[-1], end - tail, tail, True))
     if not segs:
         return []
-    starts, nrows, tails = _validate_segments(spec, segs, rows, first_row)
+    spec.check_rows(rows)
+    n = len(segs)
+    starts = np.arange(n, dtype=np.int64) * block_size + b0 * block_size
+    nrows = np.full(n, block_size, np.int64)
+    tails = np.zeros(n, np.bool_)
+    if tail:
+        nrows[-1] = tail
+        tails[-1] = True
+    kraw = validate_keys(keys)
     algo = store.checksum_algorithm
 
     def fill(buf: np.ndarray) -> np.ndarray | None:
         return _encode_into(
-            spec, segs, starts, nrows, tails, rows, first_row, buf, algo
+            spec, kraw, starts, nrows, tails, rows, first_row, buf, algo
         )
 
-    result = store.put_packed(
-        [s.key for s in segs], _object_sizes(spec, nrows), fill, pin=pin
-    )
+    result = store.put_packed(keys, _object_sizes(spec, nrows), fill, pin=pin)
     return list(zip(segs, result.refs))
 
 

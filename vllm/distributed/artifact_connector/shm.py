@@ -402,18 +402,25 @@ if _REC_DTYPE.itemsize != _RECORD.size:  # pragma: no cover - import-time check
 class _Index:
     """key -> versions; shared by writer (authoritative) and readers.
 
-    Locations live in numpy arrays indexed by *slot*, so a batch of keys is
-    resolved with one dict lookup per key (C speed) and gathered with
-    vectorised indexing."""
+    A version's location lives in numpy arrays indexed by *slot*. ``cur``
+    maps a key to the slot of its current version and ``head`` to the first
+    slot of its version chain (``nxt`` links the rest; more than one
+    version only after a divergence). A batch of keys is resolved with one
+    C-level dict lookup per key and gathered with vectorised indexing; a
+    batch of new keys is inserted with two ``dict.update`` calls."""
+
+    _ARRAYS = ("arena", "off", "length", "cs", "live", "nxt", "kb")
 
     def __init__(self) -> None:
-        self.cur: dict[str, int] = {}  # key -> slot of its current version
-        self.ver: dict[str, dict[int, int]] = {}  # key -> {checksum: slot}
+        self.cur: dict[str, int] = {}
+        self.head: dict[str, int] = {}
         self.arena = np.zeros(0, np.int64)
         self.off = np.zeros(0, np.int64)
         self.length = np.zeros(0, np.int64)
         self.cs = np.zeros(0, np.uint64)
         self.live = np.zeros(0, np.bool_)
+        self.nxt = np.zeros(0, np.int64)
+        self.kb = np.zeros(0, "V32")  # the slot's key, raw
         self.free: list[int] = []
         self.top = 0
         self.num_versions = 0
@@ -423,7 +430,7 @@ class _Index:
         if self.top + need <= cap:
             return
         new = max(1024, 2 * cap, self.top + need)
-        for name in ("arena", "off", "length", "cs", "live"):
+        for name in self._ARRAYS:
             old = getattr(self, name)
             arr = np.zeros(new, old.dtype)
             arr[:cap] = old
@@ -435,61 +442,83 @@ class _Index:
         self._grow(n - take)
         fresh = np.arange(self.top, self.top + n - take, dtype=np.int64)
         self.top += n - take
-        return np.concatenate((np.array(reused, np.int64), fresh))
+        slots = np.concatenate((np.array(reused, np.int64), fresh)) if take else fresh
+        self.live[slots] = True
+        self.nxt[slots] = -1
+        return slots
+
+    def versions(self, key: str) -> list[int]:
+        out = []
+        s = self.head.get(key, -1)
+        while s >= 0:
+            out.append(s)
+            s = int(self.nxt[s])
+        return out
+
+    def find(self, key: str, cs: int) -> int | None:
+        s = self.head.get(key, -1)
+        while s >= 0:
+            if int(self.cs[s]) == cs:
+                return s
+            s = int(self.nxt[s])
+        return None
 
     def put_new(
         self,
         keys: Sequence[str],
+        kraw: bytes,
         cs: np.ndarray,
         arena: np.ndarray | int,
         off: np.ndarray,
         ln: np.ndarray,
     ) -> None:
-        """Insert versions of keys absent from the index (vectorised)."""
+        """Insert versions of distinct keys absent from the index."""
         slots = self.alloc(len(keys))
         self.arena[slots] = arena
         self.off[slots] = off
         self.length[slots] = ln
         self.cs[slots] = cs
-        self.live[slots] = True
+        self.kb[slots] = np.frombuffer(kraw, "V32")
         sl = slots.tolist()
         self.cur.update(zip(keys, sl))
-        self.ver.update(zip(keys, ({c: s} for c, s in zip(cs.tolist(), sl))))
+        self.head.update(zip(keys, sl))
         self.num_versions += len(sl)
 
     def put(self, key: str, cs: int, arena: int, off: int, ln: int) -> None:
-        vs = self.ver.get(key)
-        if vs is None:
-            vs = self.ver[key] = {}
-        s = vs.get(cs)
+        s = self.find(key, cs)
         if s is None:
             s = int(self.alloc(1)[0])
-            vs[cs] = s
-            self.num_versions += 1
             self.cs[s] = cs
-            self.live[s] = True
+            self.kb[s] = bytes.fromhex(key)
+            self.nxt[s] = self.head.get(key, -1)
+            self.head[key] = s
+            self.num_versions += 1
         self.arena[s], self.off[s], self.length[s] = arena, off, ln
         self.cur[key] = s
 
     def move(self, key: str, cs: int, arena: int, off: int, ln: int) -> None:
-        s = self.ver.get(key, {}).get(cs)
+        s = self.find(key, cs)
         if s is not None:
             self.arena[s], self.off[s], self.length[s] = arena, off, ln
 
     def drop(self, key: str, cs: int) -> None:
-        vs = self.ver.get(key)
-        if vs is None:
+        prev, s = -1, self.head.get(key, -1)
+        while s >= 0 and int(self.cs[s]) != cs:
+            prev, s = s, int(self.nxt[s])
+        if s < 0:
             return
-        s = vs.pop(cs, None)
-        if s is None:
-            return
+        nxt = int(self.nxt[s])
+        if prev >= 0:
+            self.nxt[prev] = nxt
+        elif nxt >= 0:
+            self.head[key] = nxt
+        else:
+            del self.head[key]
         self.live[s] = False
         self.free.append(s)
         self.num_versions -= 1
         if self.cur.get(key) == s:
             del self.cur[key]
-        if not vs:
-            del self.ver[key]
 
     def nocurrent(self, key: str) -> None:
         self.cur.pop(key, None)
@@ -497,23 +526,25 @@ class _Index:
     def apply_records(self, recs: np.ndarray) -> list[int]:
         """Apply decoded log records; returns retired arena ids."""
         n = recs.shape[0]
-        hexed = recs["key"].tobytes().hex()
+        kraw = recs["key"].tobytes()
+        hexed = kraw.hex()
         keys = [hexed[i : i + KEY_HEX_LEN] for i in range(0, n * KEY_HEX_LEN, 64)]
         types = recs["type"]
         if (
             n
             and (types == _REC_PUT).all()
-            and not any(map(self.ver.__contains__, keys))
+            and not any(map(self.head.__contains__, keys))
+            and len(set(keys)) == n
         ):
-            if len(set(keys)) == n:
-                self.put_new(
-                    keys,
-                    recs["cs"].astype(np.uint64),
-                    recs["arena"].astype(np.int64),
-                    recs["off"].astype(np.int64),
-                    recs["len"].astype(np.int64),
-                )
-                return []
+            self.put_new(
+                keys,
+                kraw,
+                recs["cs"].astype(np.uint64),
+                recs["arena"].astype(np.int64),
+                recs["off"].astype(np.int64),
+                recs["len"].astype(np.int64),
+            )
+            return []
         retired = []
         for rtype, key, arena, off, ln, cs in zip(
             types.tolist(),
@@ -537,12 +568,12 @@ class _Index:
 
     def lookup(self, keys: Sequence[KeyOrRef]) -> list[int | None]:
         """Slot per key or ref (``None`` where missing)."""
-        if all(type(k) is str for k in keys):
+        if set(map(type, keys)) <= {str}:
             return list(map(self.cur.get, keys))  # type: ignore[arg-type]
         out: list[int | None] = []
         for k in keys:
             if isinstance(k, ObjectRef):
-                out.append(self.ver.get(k.key, {}).get(k.checksum))
+                out.append(self.find(k.key, k.checksum))
             else:
                 out.append(self.cur.get(k))
         return out
@@ -551,8 +582,9 @@ class _Index:
         top = self.top
         return np.flatnonzero(self.live[:top] & (self.arena[:top] == aid))
 
-    def key_of_slots(self) -> dict[int, str]:
-        return {s: k for k, vs in self.ver.items() for s in vs.values()}
+    def keys_of(self, slots: np.ndarray) -> list[str]:
+        hexed = self.kb[slots].tobytes().hex()
+        return [hexed[i : i + KEY_HEX_LEN] for i in range(0, len(hexed), KEY_HEX_LEN)]
 
 
 def _records(
@@ -607,10 +639,9 @@ class _Arena:
 
     def close(self) -> None:
         self.arr = np.zeros(0, np.uint8)
-        try:
+        # A view still alive (BufferError): unmapped when it is collected.
+        with contextlib.suppress(BufferError):
             self.mm.close()
-        except BufferError:  # a view is still alive; unmapped when collected
-            pass
 
 
 # --------------------------------------------------------------------------
@@ -983,11 +1014,7 @@ class ShmObjectStore(ObjectStore):
 
     def _pinned_bytes(self, protect: set[str]) -> int:
         idx = self._index
-        slots = [
-            s
-            for key in set(self._pins) | protect
-            for s in idx.ver.get(key, {}).values()
-        ]
+        slots = [s for key in set(self._pins) | protect for s in idx.versions(key)]
         return int(idx.length[np.array(slots, np.int64)].sum()) if slots else 0
 
     def _make_room(self, incoming: int, protect: set[str]) -> None:
@@ -1021,11 +1048,9 @@ class ShmObjectStore(ObjectStore):
         idx = self._index
         victim = self._arenas[aid]
         slots = idx.slots_of_arena(aid)
-        names = idx.key_of_slots() if len(slots) else {}
         moves: list[tuple[str, int, int]] = []  # key, checksum, slot
         drops: list[tuple[str, int]] = []
-        for s in slots.tolist():
-            key = names[s]
+        for s, key in zip(slots.tolist(), idx.keys_of(slots)):
             cs = int(idx.cs[s])
             if self._pins.get(key) or key in protect:
                 moves.append((key, cs, s))
@@ -1141,13 +1166,12 @@ class ShmObjectStore(ObjectStore):
             if self._fault_hook is not None:
                 self._fault_hook("after_data")
             idx = self._index
-            ver = idx.ver
-            fresh = not any(map(ver.__contains__, keys)) and len(set(keys)) == n
+            fresh = not any(map(idx.head.__contains__, keys)) and len(set(keys)) == n
             if fresh:
                 statuses = [PutStatus.WRITTEN] * n
                 recs = _records(_REC_PUT, kraw, arena.aid, offs, lens, cs)
                 self._append_log(recs)
-                idx.put_new(keys, cs, arena.aid, offs, lens)
+                idx.put_new(keys, kraw, cs, arena.aid, offs, lens)
                 self._stats.puts_written += n
             else:
                 statuses, recs = self._classify(
@@ -1159,9 +1183,7 @@ class ShmObjectStore(ObjectStore):
                     idx.put(
                         key, int(r["cs"]), int(r["arena"]), int(r["off"]), int(r["len"])
                     )
-            refs = tuple(
-                ObjectRef(k, c, ln) for k, c, ln in zip(keys, cs.tolist(), len_l)
-            )
+            refs = tuple(map(ObjectRef, keys, cs.tolist(), len_l))
             if pin:
                 pins = self._pins
                 for key in keys:
@@ -1194,7 +1216,8 @@ class ShmObjectStore(ObjectStore):
         rbase = base
         for i, key in enumerate(keys):
             c = int(cs[i])
-            vs = idx.ver.get(key)
+            s = idx.find(key, c)
+            exists = key in idx.head
             lo = int(offs[i]) - rbase
             mine = region[lo : lo + int(lens[i])]
             j = pending.get((key, c))
@@ -1202,8 +1225,7 @@ class ShmObjectStore(ObjectStore):
                 arenas[i], offs[i], lens[i] = arenas[j], offs[j], lens[j]
                 statuses.append(PutStatus.IDENTICAL)
                 continue
-            if vs is not None and c in vs:
-                s = vs[c]
+            if s is not None:
                 old = self._map_arena(int(idx.arena[s]))
                 so, sl = int(idx.off[s]), int(idx.length[s])
                 if (
@@ -1214,7 +1236,9 @@ class ShmObjectStore(ObjectStore):
                     statuses.append(PutStatus.IDENTICAL)
                     continue
             status = (
-                PutStatus.DIVERGED if vs or key in pending_keys else PutStatus.WRITTEN
+                PutStatus.DIVERGED
+                if exists or key in pending_keys
+                else PutStatus.WRITTEN
             )
             if status == PutStatus.DIVERGED and self._on_divergence == "raise":
                 raise ObjectDivergenceError(
@@ -1242,9 +1266,9 @@ class ShmObjectStore(ObjectStore):
             return
         idx = self._index
         parts = []
-        for key, vs in idx.ver.items():
+        for key in idx.head:
             cur = idx.cur.get(key)
-            order = [s for s in vs.values() if s != cur]
+            order = [s for s in reversed(idx.versions(key)) if s != cur]
             if cur is not None:
                 order.append(cur)
             sl = np.array(order, np.int64)
@@ -1350,7 +1374,7 @@ class ShmObjectStore(ObjectStore):
                     if isinstance(k, ObjectRef)
                     else f"artifact object {key}"
                 )
-                if isinstance(k, ObjectRef) or key not in self._index.ver:
+                if isinstance(k, ObjectRef) or key not in self._index.head:
                     raise ObjectMissingError(
                         f"{what} is missing from store {self._namespace} "
                         "(never published, evicted, or from another namespace "
@@ -1514,7 +1538,7 @@ class ShmObjectStore(ObjectStore):
         with self._lock:
             s = self._stats
             s.objects = self._index.num_versions
-            s.keys = len(self._index.ver)
+            s.keys = len(self._index.head)
             s.pinned_keys = len(self._pins)
             if self._writer:
                 s.used_bytes = self._used()

@@ -24,6 +24,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -177,9 +178,9 @@ class PutStatus(enum.IntEnum):
     DIVERGED = 3  # the key existed with different bytes; new version stored
 
 
-@dataclass(frozen=True, slots=True)
-class ObjectRef:
-    """An exact reference to one version of an object."""
+class ObjectRef(NamedTuple):
+    """An exact reference to one version of an object (an immutable named
+    tuple: cheap to create in bulk)."""
 
     key: str
     checksum: int
@@ -285,9 +286,7 @@ def validate_keys(keys: Sequence[str]) -> bytes:
     """Validate many keys at C speed; returns their 32-byte digests
     concatenated. Raises :class:`InvalidKeyError` naming the first bad key."""
     try:
-        if all(isinstance(k, str) for k in keys) and set(map(len, keys)) <= {
-            KEY_HEX_LEN
-        }:
+        if set(map(type, keys)) <= {str} and set(map(len, keys)) <= {KEY_HEX_LEN}:
             joined = "".join(keys)
             raw = bytes.fromhex(joined)
             if raw.hex() == joined:
