@@ -715,13 +715,17 @@ def publish_rows(
             f"block hashes for blocks [{b0}, {b0 + n_full}) are not available"
         )
     keys = keyspace.block_keys(block_hashes[lo : lo + n_full], block_size)
+    # tuple.__new__ builds the named tuples without a Python frame each.
     segs = list(
         map(
-            Segment,
-            keys,
-            range(b0 * block_size, (b0 + n_full) * block_size, block_size),
-            itertools.repeat(block_size, n_full),
-            itertools.repeat(False, n_full),
+            tuple.__new__,
+            itertools.repeat(Segment),
+            zip(
+                keys,
+                range(b0 * block_size, (b0 + n_full) * block_size, block_size),
+                itertools.repeat(block_size, n_full),
+                itertools.repeat(False, n_full),
+            ),
         )
     )
     tail = end - (b0 + n_full) * block_size
@@ -740,7 +744,7 @@ def publish_rows(
     if tail:
         nrows[-1] = tail
         tails[-1] = True
-    kraw = validate_keys(keys)
+    kraw = bytes.fromhex("".join(keys))  # sha256 hex digests; store validates
     algo = store.checksum_algorithm
 
     def fill(buf: np.ndarray) -> np.ndarray | None:

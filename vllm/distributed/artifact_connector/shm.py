@@ -43,6 +43,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TypeVar
 
 import numpy as np
@@ -1183,7 +1184,10 @@ class ShmObjectStore(ObjectStore):
                     idx.put(
                         key, int(r["cs"]), int(r["arena"]), int(r["off"]), int(r["len"])
                     )
-            refs = tuple(map(ObjectRef, keys, cs.tolist(), len_l))
+            # tuple.__new__ builds the named tuples without a Python frame.
+            refs = tuple(
+                map(tuple.__new__, repeat(ObjectRef), zip(keys, cs.tolist(), len_l))
+            )
             if pin:
                 pins = self._pins
                 for key in keys:
