@@ -41,6 +41,7 @@ import struct
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -109,6 +110,8 @@ _REC_DROP = 3  # version gone
 _REC_NOCURRENT = 4  # key keeps old versions but has no current version
 _REC_RETIRE = 5  # arena unlinked: readers drop their mapping of it
 _ALIGN = 64  # batches start on 64-byte boundaries
+_READ_CHUNK = 64  # objects checksummed then copied while still in cache
+_MIN_STRIDED_RUN = 4  # shorter runs are copied object by object
 
 _T = TypeVar("_T")
 
@@ -629,17 +632,20 @@ class _Arena:
     """A mapped arena file. Only this module sees the mapping; readers copy
     out of it (values, never mappings, leave the store)."""
 
-    __slots__ = ("aid", "mm", "arr", "size", "fill")
+    __slots__ = ("aid", "mm", "mv", "arr", "size", "fill")
 
     def __init__(self, aid: int, mm: mmap.mmap, size: int) -> None:
         self.aid = aid
         self.mm = mm
+        self.mv = memoryview(mm)  # slicing an mmap would copy; a view does not
         self.arr = np.frombuffer(mm, np.uint8)
         self.size = size
         self.fill = 0
 
     def close(self) -> None:
         self.arr = np.zeros(0, np.uint8)
+        with contextlib.suppress(BufferError):
+            self.mv.release()
         # A view still alive (BufferError): unmapped when it is collected.
         with contextlib.suppress(BufferError):
             self.mm.close()
@@ -1493,48 +1499,97 @@ class ShmObjectStore(ObjectStore):
         n = len(keys)
         aids, offs, lens, sums, maps = self._resolve_many(keys)
         bodies = self._check_split(lens, trailer_nbytes, out, body_nbytes)
-        by_id = {a.aid: a for a in maps}
-        aid_l = aids.tolist()
-        self._verify(
-            keys, [by_id[a].mm for a in aid_l], offs.tolist(), lens.tolist(), sums
-        )
         trailers = np.empty((n, trailer_nbytes), np.uint8)
+        if n == 0:
+            return SplitBatch(trailers, lens, sums)
+        by_id = {a.aid: a for a in maps}
         if trailer_nbytes:
+            starts = offs + bodies
+            # Trailers aligned to their own size (64-byte envelopes after
+            # 64-byte-multiple bodies): one take per arena over a view of the
+            # arena as trailer-sized units; else a 2-D fancy index.
+            unit = trailer_nbytes
+            aligned = (
+                all(a.size % unit == 0 for a in maps) and not (starts % unit).any()
+            )
+            tv = trailers.view(f"V{unit}").reshape(n) if aligned else None
             tcol = np.arange(trailer_nbytes)
             for a in maps:
-                sel = np.flatnonzero(aids == a.aid)
-                start = offs[sel] + bodies[sel]
-                trailers[sel] = a.arr[start[:, None] + tcol]
+                sel = np.flatnonzero(aids == a.aid) if len(maps) > 1 else slice(None)
+                if tv is not None:
+                    tv[sel] = a.arr.view(f"V{unit}")[starts[sel] // unit]
+                else:
+                    trailers[sel] = a.arr[starts[sel][:, None] + tcol]
         dst = np.zeros(n, np.int64)
         if n > 1:
             np.cumsum(bodies[:-1], out=dst[1:])
-        omv = out.data
-        # Runs of equal-size objects adjacent in one arena: one strided copy.
-        i = 0
-        lens_l, offs_l, bodies_l, dst_l = (
-            lens.tolist(),
-            offs.tolist(),
-            bodies.tolist(),
-            dst.tolist(),
+        # Work in chunks of objects small enough to stay in cache between
+        # the checksum pass and the copy (each byte is read from memory
+        # once). Within a chunk, runs of equal-size objects adjacent in one
+        # arena are copied with one strided numpy copy; isolated objects with
+        # C-level memoryview slice assignments (no Python frame per object).
+        brk = np.ones(n, np.bool_)
+        brk[1:] = (
+            (aids[1:] != aids[:-1])
+            | (lens[1:] != lens[:-1])
+            | (offs[1:] != offs[:-1] + lens[:-1])
         )
-        while i < n:
-            j = i + 1
-            size = lens_l[i]
-            while (
-                j < n
-                and aid_l[j] == aid_l[i]
-                and lens_l[j] == size
-                and offs_l[j] == offs_l[j - 1] + size
-            ):
-                j += 1
-            a = by_id[aid_l[i]]
-            o, b, d = offs_l[i], bodies_l[i], dst_l[i]
-            if j == i + 1:
-                omv[d : d + b] = a.mm[o : o + b]
-            else:
-                src = a.arr[o : o + (j - i) * size].reshape(j - i, size)[:, :b]
-                out[d : d + (j - i) * b].reshape(j - i, b)[...] = src
-            i = j
+        brk[::_READ_CHUNK] = True
+        run_start = np.flatnonzero(brk)
+        run_len = np.diff(np.append(run_start, n))
+        views = [by_id[a].mv for a in aids.tolist()]
+        offs_l, ends_l = offs.tolist(), (offs + lens).tolist()
+        body_end_l = (offs + bodies).tolist()
+        dst_l, dst_end_l = dst.tolist(), (dst + bodies).tolist()
+        fn = checksum_function(self._algo)
+        getitem = memoryview.__getitem__
+        omv = out.data
+        rs_l, rl_l = run_start.tolist(), run_len.tolist()
+        r = 0
+        nruns = len(rs_l)
+        for c0 in range(0, n, _READ_CHUNK):
+            c1 = min(n, c0 + _READ_CHUNK)
+            got = np.fromiter(
+                map(
+                    fn,
+                    map(
+                        getitem, views[c0:c1], map(slice, offs_l[c0:c1], ends_l[c0:c1])
+                    ),
+                ),
+                np.uint64,
+                c1 - c0,
+            )
+            bad = got != sums[c0:c1]
+            if bad.any():
+                i = c0 + int(np.argmax(bad))
+                self._stats.checksum_failures += 1
+                raise ChecksumMismatchError(
+                    f"artifact object {ref_key(keys[i])} in store "
+                    f"{self._namespace} failed its checksum (corrupted bytes)"
+                )
+            singles: list[int] = []
+            while r < nruns and rs_l[r] < c1:
+                i, k = rs_l[r], rl_l[r]
+                r += 1
+                if k < _MIN_STRIDED_RUN:
+                    singles.extend(range(i, i + k))
+                    continue
+                size, b = int(lens[i]), int(bodies[i])
+                o, d = offs_l[i], dst_l[i]
+                src = by_id[int(aids[i])].arr[o : o + k * size].reshape(k, size)
+                out[d : d + k * b].reshape(k, b)[...] = src[:, :b]
+            if singles:
+                deque(
+                    map(
+                        omv.__setitem__,
+                        [slice(dst_l[i], dst_end_l[i]) for i in singles],
+                        [
+                            getitem(views[i], slice(offs_l[i], body_end_l[i]))
+                            for i in singles
+                        ],
+                    ),
+                    0,
+                )
         return SplitBatch(trailers, lens, sums)
 
     # ----------------------------------------------------------- misc
