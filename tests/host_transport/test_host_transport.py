@@ -625,3 +625,21 @@ def test_fallback_miss_attaches_nothing_logs_no_error(make_conn, monkeypatch, ca
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert c.health()["rings_mapped"] == 0
     assert codecmod  # module used for monkeypatching in helpers
+
+
+def test_successive_producers_in_one_process_are_seen(make_conn, ring_bytes):
+    """A new connector of the same process (same ring name, its own per-key
+    token writes) is never hidden by the empty-poll fast path."""
+    r = make_conn(TINY_RING)
+    old = make_conn(ring_bytes)
+    for i in range(3):
+        old.put("p", "c", f"old{i}", i)
+        assert r.get("p", "c", f"old{i}")[0] == i
+    old.close()
+    assert r.get("p", "c", "x") is None  # missed with the current token
+    new = make_conn(ring_bytes)
+    for i in range(2):
+        new.put("p", "c", f"new{i}", i)
+    new.put("p", "c", "x", "found")
+    got = r.get("p", "c", "x")
+    assert got is not None and got[0] == "found"

@@ -537,11 +537,11 @@ class HostTransportConnector:
             names = {n for n in scope.list_rings() if n.startswith(prefix)}
         except OSError:
             return
-        known = {r.view.name: r for r in edge.rings}
-        for name, r in known.items():
-            if name not in names or r.view.closed:
+        for r in list(edge.rings):
+            if r.view.name not in names or r.view.closed:
                 self._drop_ring(edge, r, prune=False)
-        for name in names - set(known):
+        known = {r.view.name for r in edge.rings}
+        for name in names - known:
             m = RING_NAME_RE.match(name)
             if m is None:
                 continue

@@ -66,6 +66,23 @@ def process_start_time(pid: int) -> int | None:
 
 _self_identity: tuple[int, int] | None = None
 
+# Per-key token source: a random 64-bit base drawn once per process (redrawn
+# after a fork) plus a counter, so no two writes of any two processes (or two
+# connectors of one process) store the same token.
+_token_lock = threading.Lock()
+_token_state: list[int] = [-1, 0, 0]  # pid, base, counter
+
+
+def next_token() -> int:
+    with _token_lock:
+        pid = os.getpid()
+        if _token_state[0] != pid:
+            _token_state[0] = pid
+            _token_state[1] = int.from_bytes(os.urandom(8), "little")
+            _token_state[2] = 0
+        _token_state[2] += 1
+        return (_token_state[1] + _token_state[2]) & 0xFFFFFFFFFFFFFFFF
+
 
 def self_identity() -> tuple[int, int]:
     """(pid, start time) of this process; recomputed after a fork."""
@@ -146,8 +163,6 @@ class ScopeDir:
         self.stamp_fd = -1
         self._mm: mmap.mmap | None = None
         self.q: memoryview | None = None
-        self._pk_counter = 0
-        self._pk_lock = threading.Lock()
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with contextlib.suppress(FileExistsError):
@@ -241,14 +256,12 @@ class ScopeDir:
 
     def bump_pk_token(self) -> None:
         """Announce a per-key publication. Lock-free: every write stores a value
-        no other write of any process stores (pid, counter), so a receiver that
-        read the token before its probe sees a change afterwards."""
+        no other write stores (see :func:`next_token`), so a receiver that read
+        the token before its probe sees a change afterwards."""
         q = self.q
         if q is None:
             return
-        with self._pk_lock:
-            self._pk_counter += 1
-            q[Q_PK_TOKEN] = (os.getpid() << 40) | (self._pk_counter & ((1 << 40) - 1))
+        q[Q_PK_TOKEN] = next_token()
 
     def list_rings(self) -> list[str]:
         return [n for n in os.listdir(self.fd) if n.startswith("ring-")]
