@@ -97,12 +97,15 @@ def _receiver(scope, label, n, shared, mode, out_q, ready, yield_cpu) -> None:
     t_first = t_last = 0
     for i in range(n):
         key = f"{label}-{mode}-{i}"
+        give_up = time.monotonic() + 60
         while True:
             r = conn.get("s", "r", key)
             if r is not None:
                 break
             if yield_cpu:
                 os.sched_yield()
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"receiver: {key} never arrived")
         t1 = time.perf_counter_ns()
         obj = r[0]
         del obj
