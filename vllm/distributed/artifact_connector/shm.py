@@ -41,7 +41,6 @@ import struct
 import threading
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -110,8 +109,7 @@ _REC_DROP = 3  # version gone
 _REC_NOCURRENT = 4  # key keeps old versions but has no current version
 _REC_RETIRE = 5  # arena unlinked: readers drop their mapping of it
 _ALIGN = 64  # batches start on 64-byte boundaries
-_READ_CHUNK = 64  # objects checksummed then copied while still in cache
-_MIN_STRIDED_RUN = 4  # shorter runs are copied object by object
+_READ_CHUNK = 32  # objects hashed, then copied while still in cache
 
 _T = TypeVar("_T")
 
@@ -1489,6 +1487,13 @@ class ShmObjectStore(ObjectStore):
         self._verify(keys, [mv] * n, dst.tolist(), lens.tolist(), sums)
         return ObjectBatch(data, dst, lens, tuple(sums.tolist()))
 
+    def _checksum_failed(self, keys: Sequence[KeyOrRef], i: int) -> None:
+        self._stats.checksum_failures += 1
+        raise ChecksumMismatchError(
+            f"artifact object {ref_key(keys[i])} in store "
+            f"{self._namespace} failed its checksum (corrupted bytes)"
+        )
+
     def _get_split_once(
         self,
         keys: Sequence[KeyOrRef],
@@ -1523,11 +1528,11 @@ class ShmObjectStore(ObjectStore):
         dst = np.zeros(n, np.int64)
         if n > 1:
             np.cumsum(bodies[:-1], out=dst[1:])
-        # Work in chunks of objects small enough to stay in cache between
-        # the checksum pass and the copy (each byte is read from memory
-        # once). Within a chunk, runs of equal-size objects adjacent in one
-        # arena are copied with one strided numpy copy; isolated objects with
-        # C-level memoryview slice assignments (no Python frame per object).
+        # Each object is checksummed and then copied while its bytes are
+        # still in cache, so memory is read once. Runs of equal-size objects
+        # adjacent in one arena (a batched publication) are hashed and then
+        # copied with one strided numpy copy per chunk of the run; isolated
+        # objects are hashed and copied one by one.
         brk = np.ones(n, np.bool_)
         brk[1:] = (
             (aids[1:] != aids[:-1])
@@ -1539,57 +1544,34 @@ class ShmObjectStore(ObjectStore):
         run_len = np.diff(np.append(run_start, n))
         views = [by_id[a].mv for a in aids.tolist()]
         offs_l, ends_l = offs.tolist(), (offs + lens).tolist()
-        body_end_l = (offs + bodies).tolist()
-        dst_l, dst_end_l = dst.tolist(), (dst + bodies).tolist()
+        bodies_l, dst_l, sums_l = bodies.tolist(), dst.tolist(), sums.tolist()
         fn = checksum_function(self._algo)
         getitem = memoryview.__getitem__
         omv = out.data
-        rs_l, rl_l = run_start.tolist(), run_len.tolist()
-        r = 0
-        nruns = len(rs_l)
-        for c0 in range(0, n, _READ_CHUNK):
-            c1 = min(n, c0 + _READ_CHUNK)
-            got = np.fromiter(
+        for i, k in zip(run_start.tolist(), run_len.tolist()):
+            if k == 1:
+                v = views[i][offs_l[i] : ends_l[i]]
+                if fn(v) != sums_l[i]:
+                    self._checksum_failed(keys, i)
+                d = dst_l[i]
+                omv[d : d + bodies_l[i]] = v[: bodies_l[i]]
+                continue
+            got = list(
                 map(
                     fn,
                     map(
-                        getitem, views[c0:c1], map(slice, offs_l[c0:c1], ends_l[c0:c1])
+                        getitem,
+                        views[i : i + k],
+                        map(slice, offs_l[i : i + k], ends_l[i : i + k]),
                     ),
-                ),
-                np.uint64,
-                c1 - c0,
+                )
             )
-            bad = got != sums[c0:c1]
-            if bad.any():
-                i = c0 + int(np.argmax(bad))
-                self._stats.checksum_failures += 1
-                raise ChecksumMismatchError(
-                    f"artifact object {ref_key(keys[i])} in store "
-                    f"{self._namespace} failed its checksum (corrupted bytes)"
-                )
-            singles: list[int] = []
-            while r < nruns and rs_l[r] < c1:
-                i, k = rs_l[r], rl_l[r]
-                r += 1
-                if k < _MIN_STRIDED_RUN:
-                    singles.extend(range(i, i + k))
-                    continue
-                size, b = int(lens[i]), int(bodies[i])
-                o, d = offs_l[i], dst_l[i]
-                src = by_id[int(aids[i])].arr[o : o + k * size].reshape(k, size)
-                out[d : d + k * b].reshape(k, b)[...] = src[:, :b]
-            if singles:
-                deque(
-                    map(
-                        omv.__setitem__,
-                        [slice(dst_l[i], dst_end_l[i]) for i in singles],
-                        [
-                            getitem(views[i], slice(offs_l[i], body_end_l[i]))
-                            for i in singles
-                        ],
-                    ),
-                    0,
-                )
+            if got != sums_l[i : i + k]:
+                bad = [g != w for g, w in zip(got, sums_l[i : i + k])]
+                self._checksum_failed(keys, i + bad.index(True))
+            size, b, o, d = int(lens[i]), bodies_l[i], offs_l[i], dst_l[i]
+            src = by_id[int(aids[i])].arr[o : o + k * size].reshape(k, size)
+            out[d : d + k * b].reshape(k, b)[...] = src[:, :b]
         return SplitBatch(trailers, lens, sums)
 
     # ----------------------------------------------------------- misc
