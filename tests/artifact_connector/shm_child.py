@@ -6,6 +6,15 @@ Run as ``python shm_child.py ROLE ROOT NAMESPACE [ARGS]``. To keep start-up
 fast it loads the artifact modules without executing ``vllm/__init__``
 (which imports torch): the parent packages are registered as bare package
 stubs that point at the real directories.
+
+Why the stubs are kept: ``import vllm.logger`` alone runs ``vllm/__init__``
+and takes about 5 s here, while ``store`` and ``shm`` need nothing from
+vLLM but ``vllm.logger.init_logger`` (numpy and xxhash otherwise). The
+stubs touch only those three package names plus ``vllm.logger`` (replaced
+by ``logging.getLogger``), exist only in this throw-away child process, and
+the parent test process imports the real modules, so the code under test is
+the same files. If ``shm`` or ``store`` ever import more of vLLM, the child
+fails at import with a clear ImportError rather than testing something else.
 """
 
 import hashlib

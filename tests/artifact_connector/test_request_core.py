@@ -29,7 +29,9 @@ from vllm.distributed.artifact_connector.request_core import (
     read_request,
     tail_block_hash,
 )
+from vllm.distributed.artifact_connector.shm import ShmObjectStore, make_namespace
 from vllm.distributed.artifact_connector.store import (
+    ChecksumAlgorithm,
     InMemoryObjectStore,
     ObjectBatch,
     ObjectMissingError,
@@ -325,3 +327,60 @@ def test_gap_in_buffer_is_rejected():
     buf = RequestRowBuffer(SPEC, 4, 8)
     with pytest.raises(RowGapError):
         buf.write(9, _rows(2))
+
+
+def test_crc32_envelopes_still_decode_and_verify():
+    hashes = [bytes([i + 1]) * 32 for i in range(2)]
+    rows = _rows(32)
+    segs = plan_coverage(KS, 16, 32, hashes)
+    items = encode_segments(SPEC, segs, rows, 0, checksum=ChecksumAlgorithm.CRC32)
+    seg, got = decode_object(items[1][1], SPEC, segs[1])
+    assert (got == rows[16:]).all()
+    raw = bytearray(items[1][1])
+    raw[7] ^= 2
+    with pytest.raises(EnvelopeError, match="checksum"):
+        decode_object(bytes(raw), SPEC)
+
+
+def test_read_request_through_shm_store_with_out(shm_root):
+    spec = RowSpec(4, 3, np.dtype(np.uint16))
+    block = 4
+    num_rows = 4 * 9 + 3
+    tokens = list(range(num_rows + 1))
+    hashes = chain_hashes(tokens, block)
+    th = tail_hash_for(tokens, hashes, block, num_rows)
+    truth = _rows(num_rows, 5, spec)
+    w = ShmObjectStore.create(shm_root, make_namespace("rc"))
+    other = _rows(8, 6, spec)
+    # A prefill chunk, then one block per step interleaved with another
+    # request's blocks, then the tail: runs and isolated objects.
+    published = publish_rows(w, KS, spec, block, 0, truth[:16], hashes)
+    for b in range(4, 9):
+        published += publish_rows(
+            w,
+            KS,
+            spec,
+            block,
+            b * block,
+            truth[b * block : (b + 1) * block],
+            hashes[b : b + 1],
+            first_block_hash_index=b,
+        )
+        publish_rows(w, KeySpace("other", "w"), spec, block, 0, other, hashes[:2])
+    published += publish_rows(w, KS, spec, block, 36, truth[36:], hashes, tail_hash=th)
+    segs = plan_coverage(KS, block, num_rows, hashes, th)
+    assert [s for s, _ in published] == segs
+    r = ShmObjectStore.open_reader(shm_root, w.namespace)
+    out = np.zeros((num_rows, 4, 3), np.uint16)
+    got = read_request(r, spec, segs, num_rows, [ref for _, ref in published], out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, truth)
+    np.testing.assert_array_equal(read_request(r, spec, segs, num_rows), truth)
+    with pytest.raises(ValueError):
+        read_request(r, spec, segs, num_rows, out=np.zeros((num_rows, 4, 3), np.uint8))
+    # An object of the wrong size under a planned key: envelope error.
+    w.put(segs[2].key, b"\x00" * 10)
+    with pytest.raises(EnvelopeError):
+        read_request(r, spec, segs, num_rows)
+    r.close()
+    w.close()

@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 
+import numpy as np
 import pytest
 
 from vllm.distributed.artifact_connector.shm import (
@@ -20,17 +21,21 @@ from vllm.distributed.artifact_connector.shm import (
     validate_root,
 )
 from vllm.distributed.artifact_connector.store import (
+    ArtifactStoreError,
+    ChecksumAlgorithm,
     ChecksumMismatchError,
     InMemoryObjectStore,
     InvalidKeyError,
     ObjectDivergenceError,
     ObjectMissingError,
     ObjectRef,
+    ObjectSizeError,
     PutStatus,
     ReadOnlyStoreError,
     StoreCapacityError,
     StoreClosedError,
     UnsafeStoreError,
+    compute_checksum,
 )
 
 NOBODY = 65534
@@ -471,3 +476,143 @@ def test_ttl_collection_spares_live_writers(shm_root, child_cmd):
     assert not os.path.exists(os.path.join(shm_root, ns))
     mine.close()
     assert os.listdir(shm_root) == []
+
+
+# ----------------------------------------------------------------- fast paths
+def _fill_with(values):
+    def fill(buf):
+        o = 0
+        for v in values:
+            buf[o : o + len(v)] = np.frombuffer(v, np.uint8)
+            o += len(v)
+
+    return fill
+
+
+@pytest.mark.parametrize("backend", ["shm", "memory"])
+def test_put_packed_and_get_split(shm_root, backend):
+    if backend == "shm":
+        st = ShmObjectStore.create(shm_root, make_namespace())
+    else:
+        st = InMemoryObjectStore()
+    assert st.checksum_algorithm == ChecksumAlgorithm.XXH3_64
+    vals = [payload(i, 100 + 10 * i) for i in range(5)]
+    keys = [key(i) for i in range(5)]
+    res = st.put_packed(keys, [len(v) for v in vals], _fill_with(vals))
+    assert res.statuses == (PutStatus.WRITTEN,) * 5
+    assert [r.checksum for r in res.refs] == [
+        compute_checksum(ChecksumAlgorithm.XXH3_64, v) for v in vals
+    ]
+    assert st.get_many(keys) == vals
+    order = [3, 0, 4]
+    out = np.zeros(sum(len(vals[i]) - 8 for i in order), np.uint8)
+    got = st.get_split([keys[i] for i in order], 8, out)
+    assert out.tobytes() == b"".join(vals[i][:-8] for i in order)
+    assert [bytes(t) for t in got.trailers] == [vals[i][-8:] for i in order]
+    assert got.lengths.tolist() == [len(vals[i]) for i in order]
+    # Wrong expected sizes: typed error, nothing copied.
+    out[:] = 7
+    with pytest.raises(ObjectSizeError) as ei:
+        st.get_split([keys[i] for i in order], 8, out, body_nbytes=[122, 93, 132])
+    assert ei.value.index == 1 and (out == 7).all()
+    with pytest.raises(ObjectSizeError):
+        st.get_split([keys[0]], 8, np.zeros(1, np.uint8))
+    with pytest.raises(ValueError):
+        st.get_split([keys[0]], 8, np.zeros(92, np.uint16))
+    with pytest.raises(ObjectMissingError):
+        st.get_split([key(99)], 8, np.zeros(92, np.uint8))
+    st.close()
+
+
+def test_put_packed_trusts_fill_checksums_but_fails_closed(shm_root):
+    st = ShmObjectStore.create(shm_root, make_namespace())
+    vals = [payload(1, 300), payload(2, 300)]
+
+    def fill(buf):
+        _fill_with(vals)(buf)
+        return [1, 2]  # wrong
+
+    st.put_packed([key(1), key(2)], [300, 300], fill)
+    r = ShmObjectStore.open_reader(shm_root, st.namespace)
+    for handle in (st, r):
+        with pytest.raises(ChecksumMismatchError):
+            handle.get(key(1))
+        with pytest.raises(ChecksumMismatchError):
+            handle.get_split([key(2)], 0, np.zeros(300, np.uint8))
+    r.close()
+    st.close()
+    mem = InMemoryObjectStore()
+    with pytest.raises(ArtifactStoreError):
+        mem.put_packed([key(1), key(2)], [300, 300], fill)
+
+
+def test_crc32_store_is_readable_by_a_reader(shm_root):
+    st = ShmObjectStore.create(
+        shm_root, make_namespace(), checksum=ChecksumAlgorithm.CRC32
+    )
+    ref = st.put(key(1), b"abc" * 100)
+    assert ref.checksum == compute_checksum(ChecksumAlgorithm.CRC32, b"abc" * 100)
+    r = ShmObjectStore.open_reader(shm_root, st.namespace)
+    assert r.checksum_algorithm == ChecksumAlgorithm.CRC32
+    assert r.get(key(1)) == b"abc" * 100
+    r.close()
+    st.close()
+
+
+def test_get_split_scattered_mixed_sizes_and_corruption(shm_root):
+    w = ShmObjectStore.create(
+        shm_root, make_namespace(), capacity_bytes=1 << 20, arena_bytes=64 << 10
+    )
+    mine = []
+    for i in range(40):
+        size = 640 if i % 7 else 200 + i  # mostly equal sizes, some odd ones
+        w.put_many([(key(i), payload(i, size))] + [(key(1000 + i), b"z" * 333)])
+        mine.append(i)
+    # One batch of equal-size adjacent objects (a strided run).
+    w.put_many([(key(2000 + i), payload(2000 + i, 640)) for i in range(10)])
+    mine += [2000 + i for i in range(10)]
+    r = ShmObjectStore.open_reader(shm_root, w.namespace)
+    vals = [payload(i, 640 if (i >= 2000 or i % 7) else 200 + i) for i in mine]
+    out = np.zeros(sum(len(v) - 64 for v in vals), np.uint8)
+    got = r.get_split([key(i) for i in mine], 64, out)
+    assert out.tobytes() == b"".join(v[:-64] for v in vals)
+    assert [bytes(t) for t in got.trailers] == [v[-64:] for v in vals]
+    # A flipped byte in a run or in an isolated object is caught.
+    path = ns_dir(shm_root, w)
+    for victim in (2005, 3):
+        slot = r._index.cur[key(victim)]
+        aid, off = int(r._index.arena[slot]), int(r._index.off[slot])
+        with open(os.path.join(path, f"{aid:016x}.arena"), "r+b") as f:
+            f.seek(off + 5)
+            b = f.read(1)
+            f.seek(off + 5)
+            f.write(bytes([b[0] ^ 0x40]))
+        with pytest.raises(ChecksumMismatchError, match=key(victim)):
+            r.get_split([key(i) for i in mine], 64, out)
+        with open(os.path.join(path, f"{aid:016x}.arena"), "r+b") as f:
+            f.seek(off + 5)
+            f.write(b)
+    r.close()
+    w.close()
+
+
+def test_readers_unmap_evicted_arenas(shm_root):
+    w = ShmObjectStore.create(
+        shm_root, make_namespace(), capacity_bytes=64 << 10, arena_bytes=16 << 10
+    )
+    r = ShmObjectStore.open_reader(shm_root, w.namespace)
+    w.put(key(0), payload(0, 4000))
+    assert r.get(key(0)) == payload(0, 4000)
+    first = set(r._arenas)
+    assert first
+    for i in range(1, 60):
+        w.put(key(i), payload(i, 4000))
+    assert r.get(key(59)) == payload(59, 4000)
+    assert not first & set(r._arenas)  # evicted arenas are no longer mapped
+    on_disk = {int(n[:16], 16) for n in arenas(ns_dir(shm_root, w))}
+    assert set(r._arenas) <= on_disk
+    # Arena files are allocated in full when started.
+    for n in arenas(ns_dir(shm_root, w)):
+        assert os.path.getsize(os.path.join(ns_dir(shm_root, w), n)) == 16 << 10
+    r.close()
+    w.close()
