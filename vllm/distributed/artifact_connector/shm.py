@@ -109,7 +109,7 @@ _REC_DROP = 3  # version gone
 _REC_NOCURRENT = 4  # key keeps old versions but has no current version
 _REC_RETIRE = 5  # arena unlinked: readers drop their mapping of it
 _ALIGN = 64  # batches start on 64-byte boundaries
-_READ_CHUNK = 32  # objects hashed, then copied while still in cache
+_READ_CHUNK = 64  # objects hashed, then copied while still in cache
 
 _T = TypeVar("_T")
 
