@@ -44,7 +44,7 @@ from vllm.distributed.artifact_connector.request_core import (
     read_request,
 )
 from vllm.distributed.artifact_connector.shm import ShmObjectStore, make_namespace
-from vllm.distributed.artifact_connector.store import compute_checksum
+from vllm.distributed.artifact_connector.store import checksum_function
 
 LAYERS, EXPERTS, TOP_K, BLOCK = 48, 128, 8, 16
 SPEC = RowSpec.for_experts(LAYERS, TOP_K, EXPERTS)
@@ -97,13 +97,14 @@ def reader_main(args: argparse.Namespace) -> None:
         keys = [s.key for s in segs]
         t_mat = timeit(lambda s=segs: read_request(store, SPEC, s, num_rows), args.reps)
         batch = store.get_batch(keys)
-        algo = store._algo
+        fn = checksum_function(store.checksum_algorithm)
         mv = batch.data.data
         offs, lens = batch.offsets.tolist(), batch.lengths.tolist()
+        ends = [o + ln for o, ln in zip(offs, lens)]
 
-        def checksums(mv=mv, offs=offs, lens=lens, algo=algo):
-            for o, ln in zip(offs, lens):
-                compute_checksum(algo, mv[o : o + ln])
+        def checksums(mv=mv, offs=offs, ends=ends, fn=fn):
+            # The same per-object hashing the read path does, on a copy.
+            return list(map(fn, map(mv.__getitem__, map(slice, offs, ends))))
 
         t_sum = timeit(checksums, args.reps)
         out[layout] = {"seconds": t_mat, "checksum_seconds": t_sum}
@@ -139,7 +140,8 @@ def main() -> None:
                 "row_bytes": SPEC.row_nbytes,
                 "hash_block_tokens": BLOCK,
             },
-            "checksum": store._algo.name,
+            "checksum": store.checksum_algorithm.name,
+            "load_average_at_start": os.getloadavg(),
             "machine": {
                 "cpu": platform.processor() or platform.machine(),
                 "cpus": os.cpu_count(),
@@ -271,6 +273,7 @@ def main() -> None:
             "objects": store.stats().objects,
             "used_bytes": store.stats().used_bytes,
         }
+        result["load_average_at_end"] = os.getloadavg()
         print(json.dumps(result, indent=2))
     finally:
         store.close()
