@@ -11,21 +11,33 @@ Physical layout of one store (one *namespace*, one writer process)::
         <16 hex>.arena           0600; append-only object data
         <16 hex>.tmp             0600; index snapshot being written
 
-Objects are packed: a batched put appends all its objects to the active
-arena with one ``pwritev`` and then appends one index batch (a header with a
-CRC over the batch and one 64-byte record per object) with one ``pwrite``.
-A reader only trusts index batches whose CRC matches, and only after the
-data write has returned, so a reader sees a whole object or nothing, also
-when the writer is killed between (or in the middle of) the two writes.
-Readers keep an in-memory index that they extend by reading the log tail,
-and read a request's objects with one ``preadv`` per contiguous run (not one
-open per object). Every read verifies the object's checksum.
+Arenas are allocated in full when they are started (``posix_fallocate``, so
+a write through the mapping can never hit a full ``/dev/shm``) and mapped
+(``mmap``, pre-faulted). A batched put (:meth:`ShmObjectStore.put_packed`)
+lets the caller encode its objects straight into the next free range of the
+active arena (one copy, no system call), records the objects' checksums
+(the encoder's one-pass xxh3, or computed here) and then appends one index
+batch (a header with a CRC over the batch and one 64-byte record per object,
+encoded with numpy) with one ``pwrite``. A reader only trusts index batches
+whose CRC matches, and the data is complete before the batch that names it
+is written, so a reader sees a whole object or nothing, also when the writer
+is killed between (or in the middle of) the two steps: bytes that no index
+batch names are never read.
+
+Readers keep an in-memory index (numpy arrays of locations addressed by
+slot, dicts from keys to slots) that they extend by reading the log tail,
+map each arena read-only once and keep the mapping until a ``RETIRE``
+record says the arena was evicted. A read resolves all keys at once, checks
+each object's checksum over the mapped bytes and copies them into a private
+buffer (``get_batch``) or straight into the caller's array (``get_split``):
+values leave the store, never paths or mappings.
 
 Eviction works on whole arenas, oldest first: pinned objects in the victim
 arena are copied into the active arena (``MOVE`` records), the others are
-dropped (``DROP`` records), then the arena file is unlinked. Files are never
-truncated or rewritten in place, so a reader that opened an arena before it
-was unlinked still reads the bytes the index described.
+dropped (``DROP`` records), then a ``RETIRE`` record is appended and the
+arena file is unlinked. Files are never truncated or rewritten in place, so
+a reader that mapped an arena before it was unlinked still reads the bytes
+the index described.
 """
 
 from __future__ import annotations
@@ -1220,8 +1232,7 @@ class ShmObjectStore(ObjectStore):
         statuses: list[PutStatus] = []
         pending: dict[tuple[str, int], int] = {}
         pending_keys: set[str] = set()
-        base = int(offs[0]) - 0 if len(keys) else 0
-        rbase = base
+        rbase = int(offs[0])  # arena offset of ``region``
         for i, key in enumerate(keys):
             c = int(cs[i])
             s = idx.find(key, c)
