@@ -1403,7 +1403,7 @@ class ShmObjectStore(ObjectStore):
                     f"{what} has no current version (its latest version was "
                     "evicted after a divergence)"
                 )
-        return np.array(found, np.int64)
+        return np.fromiter(found, np.int64, len(found))
 
     def _with_retry(self, op: Callable[[], _T]) -> _T:
         with self._lock:
@@ -1553,15 +1553,15 @@ class ShmObjectStore(ObjectStore):
         brk[::_READ_CHUNK] = True
         run_start = np.flatnonzero(brk)
         run_len = np.diff(np.append(run_start, n))
-        views = [by_id[a].mv for a in aids.tolist()]
+        aid_l = aids.tolist()
         offs_l, ends_l = offs.tolist(), (offs + lens).tolist()
         bodies_l, dst_l, sums_l = bodies.tolist(), dst.tolist(), sums.tolist()
         fn = checksum_function(self._algo)
-        getitem = memoryview.__getitem__
         omv = out.data
         for i, k in zip(run_start.tolist(), run_len.tolist()):
+            a = by_id[aid_l[i]]
             if k == 1:
-                v = views[i][offs_l[i] : ends_l[i]]
+                v = a.mv[offs_l[i] : ends_l[i]]
                 if fn(v) != sums_l[i]:
                     self._checksum_failed(keys, i)
                 d = dst_l[i]
@@ -1571,8 +1571,7 @@ class ShmObjectStore(ObjectStore):
                 map(
                     fn,
                     map(
-                        getitem,
-                        views[i : i + k],
+                        a.mv.__getitem__,
                         map(slice, offs_l[i : i + k], ends_l[i : i + k]),
                     ),
                 )
@@ -1580,8 +1579,8 @@ class ShmObjectStore(ObjectStore):
             if got != sums_l[i : i + k]:
                 bad = [g != w for g, w in zip(got, sums_l[i : i + k])]
                 self._checksum_failed(keys, i + bad.index(True))
-            size, b, o, d = int(lens[i]), bodies_l[i], offs_l[i], dst_l[i]
-            src = by_id[int(aids[i])].arr[o : o + k * size].reshape(k, size)
+            size, b, o, d = ends_l[i] - offs_l[i], bodies_l[i], offs_l[i], dst_l[i]
+            src = a.arr[o : o + k * size].reshape(k, size)
             out[d : d + k * b].reshape(k, b)[...] = src[:, :b]
         return SplitBatch(trailers, lens, sums)
 
