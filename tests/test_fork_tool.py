@@ -144,3 +144,24 @@ def test_series_lists_only_existing_patches_with_headers():
     for name in series:
         text = (ROOT / "patches" / name).read_text()
         assert text.startswith("Subject: "), name
+
+
+def test_materialize_writes_a_self_contained_tree():
+    out = SCRATCH / "fork-materialize"
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        proc = run_fork("materialize", "--base", "cuda", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert not [p for p in out.rglob("*") if p.is_symlink()]
+        assert (out / "vllm-0.32.0.dist-info" / "METADATA").is_file()
+        for patch in (ROOT / "patches").glob("*.patch"):
+            for line in patch.read_text().splitlines():
+                if line.startswith("+++ b/"):
+                    assert (out / line[6:]).is_file()
+        for rel in (p.relative_to(ROOT) for p in (ROOT / "vllm").rglob("*.py")):
+            if "__pycache__" not in rel.parts:
+                assert (out / rel).read_bytes() == (ROOT / rel).read_bytes()
+        # Refuses to write over something.
+        assert run_fork("materialize", str(out)).returncode == 1
+    finally:
+        shutil.rmtree(out, ignore_errors=True)

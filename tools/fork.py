@@ -22,6 +22,7 @@ Verbs::
     fork.py new     NAME FILE...       # start a patch from edited venv files
     fork.py status
     fork.py modules                    # mypy -m arguments for the overlay
+    fork.py materialize [--base cuda] DIR   # the whole forked tree, no symlinks
 
 Only the standard library and ``git`` are used.
 """
@@ -455,6 +456,36 @@ def status(site: Path) -> None:
         print(f"  overlay {rel}")
 
 
+def materialize(base_name: str, out: Path) -> None:
+    """Write the whole forked ``vllm/`` package (plus dist-info) into ``out``.
+
+    The pinned wheel's Python tree with the series applied and the overlay
+    copied in (no symlinks), e.g. to carry the fork to a machine without this
+    checkout (see ../shared/tools/gpu/README.md for the GPU harness).
+    """
+    pristine = Pristine(BASES[base_name])
+    if out.exists() and any(out.iterdir()):
+        raise ForkError(f"{out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in pristine.names:
+        top = name.split("/", 1)[0]
+        if top == "vllm" or (top.endswith(".dist-info") and name.endswith("METADATA")):
+            dst = out / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(pristine.read(name))
+    apply(out)
+    for rel in json.loads((out / STATE_NAME).read_text())["links"]:
+        link = out / rel
+        link.unlink()
+        src = ROOT / rel
+        if src.is_dir():
+            shutil.copytree(src, link, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, link)
+    (out / STATE_NAME).unlink()
+    log(f"materialized {pristine.base.dist}=={VERSION} + fork into {out}")
+
+
 def modules() -> None:
     """Print mypy arguments naming every package/module of the overlay."""
     args = []
@@ -483,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("files", nargs="+")
     sub.add_parser("status")
     sub.add_parser("modules", help="mypy arguments for the overlay's modules")
+    m = sub.add_parser("materialize", help="write the forked package tree to DIR")
+    m.add_argument("--base", choices=sorted(BASES), default="cuda")
+    m.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     site = args.site_packages or default_site_packages()
     try:
@@ -497,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
             new(args.name, args.files, site)
         elif args.verb == "modules":
             modules()
+        elif args.verb == "materialize":
+            materialize(args.base, args.out)
         else:
             status(site)
     except ForkError as exc:
