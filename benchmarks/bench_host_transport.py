@@ -90,8 +90,12 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def _receiver(scope, label, n, shared, mode, out_q, ready, yield_cpu) -> None:
-    conn = HostTransportConnector(HostTransportConfig(host_ring_bytes=0, scope=scope))
+def _receiver(scope, ring, edge, label, n, shared, mode, out_q, ready, yield_cpu):
+    # Same configuration as the sender: the per-key baseline is the same code
+    # with the ring disabled at both ends.
+    conn = HostTransportConnector(
+        HostTransportConfig(host_ring_bytes=ring, scope=scope)
+    )
     lat = []
     ready.set()
     t_first = t_last = 0
@@ -99,7 +103,7 @@ def _receiver(scope, label, n, shared, mode, out_q, ready, yield_cpu) -> None:
         key = f"{label}-{mode}-{i}"
         give_up = time.monotonic() + 60
         while True:
-            r = conn.get("s", "r", key)
+            r = conn.get("s", edge, key)
             if r is not None:
                 break
             if yield_cpu:
@@ -120,12 +124,14 @@ def _receiver(scope, label, n, shared, mode, out_q, ready, yield_cpu) -> None:
 
 
 def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
+    # A fresh edge (and so a fresh ring) for every run.
+    edge = f"r-{label}-{mode}-{ring}-{uuid.uuid4().hex[:8]}"
     shared = CTX.RawArray("q", 1025)
     out_q = CTX.Queue()
     ready = CTX.Event()
     p = CTX.Process(
         target=_receiver,
-        args=(scope, label, n, shared, mode, out_q, ready, YIELD),
+        args=(scope, ring, edge, label, n, shared, mode, out_q, ready, YIELD),
     )
     p.start()
     ready.wait(60)
@@ -146,7 +152,7 @@ def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
             while i - shared[1024] >= 64:
                 if yield_cpu:
                     os.sched_yield()
-        ok, _, desc = conn.put("s", "r", key, data)
+        ok, _, desc = conn.put("s", edge, key, data)
         if not ok:
             raise RuntimeError("put failed")
         planes[desc["plane"]] = planes.get(desc["plane"], 0) + 1
@@ -307,6 +313,14 @@ def main() -> None:
     ap.add_argument("--ring", type=int, default=RING)
     ap.add_argument("--scope", default=None)
     ap.add_argument("--no-yield", action="store_true")
+    ap.add_argument(
+        "--only", default=None, help="comma-separated payload labels to run"
+    )
+    ap.add_argument(
+        "--skip-extras",
+        action="store_true",
+        help="skip the empty-poll, strace and fallback-put sections",
+    )
     args = ap.parse_args()
     global YIELD
     YIELD = not args.no_yield
@@ -329,7 +343,10 @@ def main() -> None:
         "results": {},
     }
     try:
+        only = set(args.only.split(",")) if args.only else None
         for label, data in payloads().items():
+            if only is not None and label not in only:
+                continue
             big = label in ("512KiB", "quarter_ring+", "bf16_16x4096")
             n = max(200, args.iters // 4) if big else args.iters
             row: dict[str, Any] = {}
@@ -345,6 +362,8 @@ def main() -> None:
             print(
                 f"# {label}: ring p50 {r50} us, per-key p50 {k50} us", file=sys.stderr
             )
+        if args.skip_extras:
+            return _finish(result, args)
         result["empty_poll"] = {
             "ring_ns": round(empty_poll(scope, RING, args.polls), 1),
             "perkey_ns": round(empty_poll(scope, 0, args.polls), 1),
@@ -356,6 +375,10 @@ def main() -> None:
         )
     finally:
         shutil.rmtree(scope_dir(scope), ignore_errors=True)
+    _finish(result, args)
+
+
+def _finish(result: dict[str, Any], args: argparse.Namespace) -> None:
     result["machine"]["loadavg_end"] = os.getloadavg()
     text = json.dumps(result, indent=2)
     if args.out:

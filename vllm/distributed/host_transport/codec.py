@@ -17,6 +17,10 @@ both areas. Two kinds exist:
 * ``KIND_SERIAL``: anything the tree walk cannot express goes through vLLM's
   ordinary serializer (:class:`vllm.v1.serial_utils.MsgpackEncoder`); its
   buffers become the regions and the header lists them.
+* ``KIND_TDICT``: the fast path for the most common payload, a flat ``dict``
+  of ``str`` keys to non-empty, contiguous, plain CPU tensors. The header is
+  one flat msgpack array of ``key, dtype, shape, area, offset, nbytes`` per
+  entry: no extension values, no per-leaf nested decode.
 
 On receipt, the small area is copied into one owned ``bytearray`` that all
 small leaves share, and every leaf of ``large_leaf_bytes`` or more is copied
@@ -41,6 +45,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 MAGIC = b"HTF1"
 KIND_TFRAME = 1
 KIND_SERIAL = 2
+KIND_TDICT = 3
 
 PREFIX = struct.Struct("<4sBBHIQQ")
 PREFIX_SIZE = 32
@@ -87,6 +92,22 @@ class _DtypeNames(dict):
 
 
 _DTYPE_NAMES = _DtypeNames()
+# Every CPU dtype a frame may name, by name (decoding never calls getattr on
+# the torch module with a name read from shared memory).
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    _DTYPE_NAMES[d]: d
+    for d in (
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+        torch.int64, torch.float16, torch.bfloat16, torch.float32,
+        torch.float64, torch.complex64, torch.complex128,
+    )
+}  # fmt: skip
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+    _d = getattr(torch, _name, None)
+    if isinstance(_d, torch.dtype):
+        _DTYPES_BY_NAME[_name] = _d
+_TDICT_MAX_ENTRIES = 64
+_STRIDED = torch.strided
 # dtypes numpy can view directly (no torch-side reinterpretation needed).
 _NUMPY_OK = frozenset(
     {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
@@ -116,7 +137,10 @@ def _materialize(t: torch.Tensor) -> torch.Tensor:
 class EncodedFrame:
     """An encoded payload, ready to be copied into a ring slot or a file."""
 
-    __slots__ = ("kind", "header", "small", "large", "small_total", "large_total")
+    __slots__ = (
+        "kind", "header", "small", "large", "small_total", "large_total",
+        "small_start", "large_start", "total",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -133,33 +157,25 @@ class EncodedFrame:
         self.large = large
         self.small_total = small_total
         self.large_total = large_total
-
-    @property
-    def small_start(self) -> int:
-        return _align(PREFIX_SIZE + len(self.header))
-
-    @property
-    def large_start(self) -> int:
-        return _align(self.small_start + self.small_total)
-
-    @property
-    def total(self) -> int:
-        return self.large_start + self.large_total
+        self.small_start = ss = _align(PREFIX_SIZE + len(header))
+        self.large_start = ls = _align(ss + small_total)
+        self.total = ls + large_total
 
     def write_into(self, dst: memoryview) -> None:
         """Copy the whole frame into ``dst`` (at least ``total`` bytes)."""
-        hl = len(self.header)
+        header = self.header
+        hl = len(header)
         PREFIX.pack_into(
             dst, 0, MAGIC, self.kind, 0, 0, hl, self.small_total, self.large_total
         )
-        dst[PREFIX_SIZE : PREFIX_SIZE + hl] = self.header
-        base = _align(PREFIX_SIZE + hl)
+        dst[PREFIX_SIZE : PREFIX_SIZE + hl] = header
+        base = self.small_start
         for off, mv in self.small:
             s = base + off
             dst[s : s + len(mv)] = mv
         if not self.large:
             return
-        base = _align(base + self.small_total)
+        base = self.large_start
         for off, mv in self.large:
             s = base + off
             dst[s : s + len(mv)] = mv
@@ -364,6 +380,10 @@ class FrameCodec:
     # ------------------------------------------------------------------ encode
     def encode(self, obj: Any) -> EncodedFrame:
         """Encode ``obj``; raises :class:`PayloadTooLarge` or ``TypeError``."""
+        if type(obj) is dict:
+            fast = self._encode_tdict(obj)
+            if fast is not None:
+                return fast
         walker = _TreeWalker(self.limit, self.large_leaf_bytes)
         try:
             tree = walker.walk(obj)
@@ -380,6 +400,52 @@ class FrameCodec:
             walker.small_total,
             walker.large_total,
         )
+
+    def _encode_tdict(self, obj: dict) -> EncodedFrame | None:
+        """The ``KIND_TDICT`` fast path, or ``None`` when ``obj`` is not a flat
+        dict of str keys to non-empty, contiguous, plain CPU tensors."""
+        n = len(obj)
+        if n == 0 or n > _TDICT_MAX_ENTRIES:
+            return None
+        items: list[Any] = []
+        small: list[tuple[int, memoryview]] = []
+        large: list[tuple[int, memoryview]] = []
+        small_total = large_total = 0
+        limit = self.limit
+        large_leaf = self.large_leaf_bytes
+        for k, t in obj.items():
+            if type(k) is not str or type(t) is not torch.Tensor:
+                return None
+            if (
+                not t.is_cpu
+                or t.layout is not _STRIDED
+                or not t.is_contiguous()
+                or t.is_conj()
+                or t.is_neg()
+            ):
+                return None
+            nbytes = t.nbytes
+            if nbytes == 0:
+                return None
+            if nbytes > limit or small_total + large_total + nbytes > limit:
+                raise PayloadTooLarge(
+                    f"array of {nbytes} bytes exceeds max_payload_bytes={limit}"
+                )
+            if t.requires_grad:
+                t = t.detach()
+            dtype = t.dtype
+            mv = _tensor_bytes(t)
+            if nbytes >= large_leaf:
+                area, off = 1, large_total
+                large.append((off, mv))
+                large_total = _align(off + nbytes)
+            else:
+                area, off = 0, small_total
+                small.append((off, mv))
+                small_total = _align(off + nbytes, 16)
+            items += (k, _DTYPE_NAMES[dtype], t.shape, area, off, nbytes)
+        header = self._header_enc.encode(items)
+        return EncodedFrame(KIND_TDICT, header, small, large, small_total, large_total)
 
     def _encode_serial(self, obj: Any) -> EncodedFrame:
         if self._serial_enc is None:
@@ -445,6 +511,10 @@ class FrameCodec:
                 finally:
                     self._src = None
                     self._small = None
+            if kind == KIND_TDICT:
+                return self._decode_tdict(
+                    src, header, small_start, small_total, large_start
+                )
             if kind == KIND_SERIAL:
                 return self._decode_serial(src, header, small_start, large_start)
         except CorruptFrame:
@@ -452,6 +522,58 @@ class FrameCodec:
         except Exception as e:
             raise CorruptFrame(f"frame failed to decode: {e!r}") from e
         raise CorruptFrame(f"unknown frame kind {kind}")
+
+    def _decode_tdict(
+        self,
+        src: memoryview,
+        header: memoryview,
+        small_start: int,
+        small_total: int,
+        large_start: int,
+    ) -> dict[str, torch.Tensor]:
+        items = self._meta_dec.decode(header)
+        if type(items) is not list or not items or len(items) % 6:
+            raise CorruptFrame("bad tensor-dict header")
+        # One owned buffer that every small leaf shares (bounds checked by
+        # decode(): the small area lies inside the frame).
+        small = bytearray(src[small_start : small_start + small_total])
+        n_small = len(small)
+        n_src = len(src)
+        out: dict[str, torch.Tensor] = {}
+        for i in range(0, len(items), 6):
+            key, dtype_name, shape, area, off, nbytes = items[i : i + 6]
+            dtype = _DTYPES_BY_NAME.get(dtype_name) if type(dtype_name) is str else None
+            if dtype is None or type(key) is not str or type(shape) is not list:
+                raise CorruptFrame("bad tensor-dict entry")
+            numel = 1
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise CorruptFrame("bad tensor shape")
+                numel *= d
+            if (
+                type(off) is not int
+                or type(nbytes) is not int
+                or off < 0
+                or nbytes <= 0
+                or numel * dtype.itemsize != nbytes
+            ):
+                raise CorruptFrame("tensor size does not match its shape")
+            if area == 0:
+                if off + nbytes > n_small:
+                    raise CorruptFrame("small region out of bounds")
+                t = torch.frombuffer(small, dtype=dtype, count=numel, offset=off)
+                if len(shape) != 1:
+                    t = t.view(shape)
+            elif area == 1:
+                s = large_start + off
+                if s + nbytes > n_src:
+                    raise CorruptFrame("large region out of bounds")
+                t = torch.empty(shape, dtype=dtype)
+                t.reshape(-1).view(torch.uint8).numpy().data[:] = src[s : s + nbytes]
+            else:
+                raise CorruptFrame("bad region area")
+            out[key] = t
+        return out
 
     def _decode_serial(
         self, src: memoryview, header: memoryview, small_start: int, large_start: int

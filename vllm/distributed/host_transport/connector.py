@@ -55,32 +55,20 @@ def _edge_hex(from_stage: Any, to_stage: Any) -> str:
     return hex_name("edge", repr(from_stage), repr(to_stage))
 
 
+_blake2b = hashlib.blake2b
+
+
 def _key_hash(key: str) -> bytes:
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+    """The 16-byte key hash stored in ring records and segment headers."""
+    return _blake2b(key.encode(), digest_size=16).digest()
 
 
-class _KeyNames:
-    """Cache of (key hash, segment name) per (edge, key); names are hashes,
-    never built from the key itself."""
-
-    def __init__(self, limit: int = 1 << 14) -> None:
-        self._cache: dict[tuple[str, str], tuple[bytes, str]] = {}
-        self._limit = limit
-
-    def get(self, edge_hex: str, key: str) -> tuple[bytes, str]:
-        ck = (edge_hex, key)
-        hit = self._cache.get(ck)
-        if hit is None:
-            kb = key.encode()
-            kh = hashlib.blake2b(kb, digest_size=16).digest()
-            seg = hashlib.blake2b(
-                edge_hex.encode() + b"\0" + kb, digest_size=16, person=b"vhtseg"
-            ).hexdigest()
-            hit = (kh, seg)
-            if len(self._cache) >= self._limit:
-                self._cache.clear()
-            self._cache[ck] = hit
-        return hit
+def _seg_name(edge_hex: str, key: str) -> str:
+    """Name of the per-key segment of (edge, key): a hash, never built from
+    the key itself. Only computed when the per-key plane is used."""
+    return _blake2b(
+        edge_hex.encode() + b"\0" + key.encode(), digest_size=16, person=b"vhtseg"
+    ).hexdigest()
 
 
 @dataclass
@@ -111,7 +99,7 @@ class _Placement:
 
     edge: tuple[Any, Any]
     key_hash: bytes
-    seg_name: str
+    seg_name: str  # empty for ring placements
     ring_pos: int | None  # None: per-key segment
 
 
@@ -143,9 +131,10 @@ class HostTransportConnector:
         self._recv_codec = FrameCodec(
             self.config.max_payload_bytes, self.config.large_leaf_bytes
         )
-        self._send_names = _KeyNames()
-        self._recv_names = _KeyNames()
-        self._placements: OrderedDict[str, list[_Placement]] = OrderedDict()
+        self._ring_enabled = self.config.ring_enabled
+        self._max_payload = self.config.max_payload_bytes
+        # Insertion-ordered: the oldest tracked key is evicted first.
+        self._placements: dict[str, list[_Placement]] = {}
         self._logged_edges: set[str] = set()
         self._stats = {
             "ring_puts": 0,
@@ -242,8 +231,10 @@ class HostTransportConnector:
     def _put_locked(
         self, from_stage: Any, to_stage: Any, key: str, data: Any
     ) -> tuple[bool, int, dict[str, Any] | None]:
-        scope = self._check_open()
-        if not isinstance(key, str):
+        scope = self._scope
+        if self._closed or scope is None:
+            raise HostTransportError("connector is closed")
+        if type(key) is not str and not isinstance(key, str):
             raise TypeError("key must be a str")
         edge_key = (from_stage, to_stage)
         edge = self._send_edges.get(edge_key)
@@ -253,30 +244,36 @@ class HostTransportConnector:
         codec = self._send_codec
         before = codec.serial_fallbacks
         frame = codec.encode(data)
+        stats = self._stats
         if codec.serial_fallbacks != before:
-            self._stats["serializer_fallbacks"] += 1
+            stats["serializer_fallbacks"] += 1
         size = frame.total
-        if size > self.config.max_payload_bytes:
+        if size > self._max_payload:
             raise PayloadTooLarge(f"payload of {size} bytes is too large")
-        kh, seg_name = self._send_names.get(edge.edge_hex, key)
-        previous = self._placements.pop(key, None)
+        kh = _key_hash(key)
+        placements = self._placements
+        previous = placements.pop(key, None)
 
-        ring = self._ensure_ring(scope, edge) if self.config.ring_enabled else None
         pos: int | None = None
-        if ring is not None:
-            pos = ring.try_put(kh, frame)
-            if pos is None:
-                self._stats["fallbacks"] += 1
-                if ringmod.frame_size(size) > ring.capacity // 4:
-                    self._stats["fallback_too_large"] += 1
-                else:
-                    self._stats["fallback_ring_full"] += 1
-        elif self.config.ring_enabled:
-            self._stats["fallbacks"] += 1
-            self._stats["fallback_ring_unavailable"] += 1
+        if self._ring_enabled:
+            ring = edge.ring
+            if ring is None:
+                ring = self._ensure_ring(scope, edge)
+            if ring is not None:
+                pos = ring.try_put(kh, frame)
+                if pos is None:
+                    stats["fallbacks"] += 1
+                    if ringmod.frame_size(size) > ring.capacity // 4:
+                        stats["fallback_too_large"] += 1
+                    else:
+                        stats["fallback_ring_full"] += 1
+            else:
+                stats["fallbacks"] += 1
+                stats["fallback_ring_unavailable"] += 1
 
+        seg_name = ""
         if pos is not None:
-            self._stats["ring_puts"] += 1
+            stats["ring_puts"] += 1
             desc = {
                 "v": _DESC_VERSION,
                 "plane": "ring",
@@ -285,13 +282,14 @@ class HostTransportConnector:
                 "size": size,
             }
         else:
+            seg_name = _seg_name(edge.edge_hex, key)
             ok = perkey.write_segment(
                 scope.fd, seg_name, kh, frame, self._pid, self._start
             )
             if not ok:
                 raise HostTransportError("segment lock stayed busy")
             scope.bump_pk_token()
-            self._stats["perkey_puts"] += 1
+            stats["perkey_puts"] += 1
             desc = {"v": _DESC_VERSION, "plane": "key", "size": size}
 
         # Retire the earlier unclaimed version (after the new one is out, so a
@@ -302,12 +300,12 @@ class HostTransportConnector:
                     continue
                 self._retire(scope, p, keep_segment=pos is None)
             rest = [p for p in previous if p.edge != edge_key]
+            rest.append(_Placement(edge_key, kh, seg_name, pos))
         else:
-            rest = []
-        rest.append(_Placement(edge_key, kh, seg_name, pos))
-        self._placements[key] = rest
-        if len(self._placements) > _MAX_TRACKED_KEYS:
-            self._placements.popitem(last=False)
+            rest = [_Placement(edge_key, kh, seg_name, pos)]
+        placements[key] = rest
+        if len(placements) > _MAX_TRACKED_KEYS:
+            del placements[next(iter(placements))]
         return True, size, desc
 
     def _ensure_ring(
@@ -458,7 +456,7 @@ class HostTransportConnector:
 
         if stamp != edge.seen_stamp:
             self._discover(scope, edge, stamp)
-        kh, seg_name = self._recv_names.get(edge.edge_hex, key)
+        kh = _key_hash(key)
         busy = False
         # A descriptor names the ring slot directly.
         if descriptor is not None and descriptor.get("plane") == "ring":
@@ -472,7 +470,8 @@ class HostTransportConnector:
                     elif res is not None:
                         return res
                     break
-        for r in list(edge.rings):
+        rings = edge.rings
+        for r in list(rings) if len(rings) > 1 else rings:
             view = r.view
             q = view.q
             if q is not None and q[ringmod.Q_HEAD] != view.cursor:
@@ -489,6 +488,7 @@ class HostTransportConnector:
                 return res
         # Per-key plane.
         token_now = scope.q[16]
+        seg_name = _seg_name(edge.edge_hex, key)
         res = perkey.claim_segment(scope.fd, seg_name, kh, self._recv_codec)
         if res is perkey.BUSY:
             return ringmod.BUSY

@@ -74,6 +74,11 @@ def _edge_words(edge_hex: str) -> tuple[int, int]:
     return int.from_bytes(b[:4], "little"), int.from_bytes(b[4:8], "little")
 
 
+_flock = fcntl.flock
+_LOCK_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
+_LOCK_UN = fcntl.LOCK_UN
+
+
 def _try_lock(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -158,8 +163,8 @@ class ProducerRing:
         if mv is None or q is None:
             return None
         cap = self.capacity
-        need = frame_size(frame.total)
-        if need > cap // 4:
+        need = (frame.total + (FRAME_HDR + FRAME_ALIGN - 1)) & ~(FRAME_ALIGN - 1)
+        if need > cap >> 2:
             return None
         head = self.head
         off = head % cap
@@ -342,21 +347,28 @@ class RingView:
         """Take the READY frame at ``pos`` for ``key_hash``. Returns the owned
         payload or one of BUSY, GONE, CORRUPT."""
         mv = self.mv
-        if mv is None:
+        q = self.q
+        if mv is None or q is None:
             return GONE
-        if not _try_lock(self.fd):
-            return BUSY
+        cap = self.capacity
+        rel = pos % cap
+        off = HEADER_SIZE + rel
+        # Unlocked pre-check: a frame already taken (or overwritten) is GONE
+        # without touching the lock. The decisive check is repeated below.
+        if mv[off + STATE_OFF] != READY:
+            return GONE
+        fd = self.fd
         try:
-            off = HEADER_SIZE + pos % self.capacity
+            _flock(fd, _LOCK_EX_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return BUSY
+            raise
+        try:
             length, state, fpos, kh = FRAME.unpack_from(mv, off)
             if fpos != pos or state != READY or kh != key_hash:
                 return GONE
-            if (
-                length < FRAME_HDR
-                or (pos % self.capacity) + length > self.capacity
-                or self.q is None
-                or pos + length > self.q[Q_HEAD]
-            ):
+            if length < FRAME_HDR or rel + length > cap or pos + length > q[Q_HEAD]:
                 mv[off + STATE_OFF] = DONE
                 return CORRUPT
             sub = mv[off + FRAME_HDR : off + length]
@@ -364,13 +376,14 @@ class RingView:
                 obj = codec.decode(sub)
             except CorruptFrame:
                 obj = CORRUPT
-            finally:
-                with contextlib.suppress(BufferError):
-                    sub.release()
+            try:  # noqa: SIM105 (contextlib.suppress costs ~1 us per claim)
+                sub.release()
+            except BufferError:
+                pass
             mv[off + STATE_OFF] = DONE
             return obj
         finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            _flock(fd, _LOCK_UN)
 
     def close(self) -> None:
         for attr in ("q", "mv"):
