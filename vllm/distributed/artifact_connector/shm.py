@@ -994,6 +994,8 @@ class ShmObjectStore(ObjectStore):
         arena = _Arena(aid, mm, size)
         self._arenas[aid] = arena
         self._stats.used_bytes += size
+        extra = self._stats.extra
+        extra["arenas_started"] = extra.get("arenas_started", 0) + 1
         self._active = arena
         return arena
 
