@@ -47,7 +47,7 @@ def die_mid_publication(scope: str, ring: int, key: str) -> None:
     c = conn(scope, ring)
     c.put("p", "c", "warmup", 1)  # the ring exists and is registered
 
-    def partial_write(self, dst):  # noqa: ANN001
+    def partial_write(self, dst, *args):  # noqa: ANN001
         dst[: len(dst) // 2] = b"\x01" * (len(dst) // 2)
         os._exit(0)
 

@@ -30,6 +30,7 @@ large hidden state. Nothing returned refers to shared memory.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import struct
@@ -134,6 +135,17 @@ def _materialize(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_memmove = ctypes.memmove
+_Tensor = torch.Tensor
+# A region's source: a byte memoryview, or (tensor-dict frames) a contiguous
+# CPU tensor that is copied by address.
+Region = tuple[int, Any]
+
+
+def _region_bytes(src: Any) -> Any:
+    return _tensor_bytes(src) if type(src) is _Tensor else src
+
+
 class EncodedFrame:
     """An encoded payload, ready to be copied into a ring slot or a file."""
 
@@ -146,8 +158,8 @@ class EncodedFrame:
         self,
         kind: int,
         header: bytes,
-        small: list[tuple[int, memoryview]],
-        large: list[tuple[int, memoryview]],
+        small: list[Region],
+        large: list[Region],
         small_total: int,
         large_total: int,
     ) -> None:
@@ -157,28 +169,36 @@ class EncodedFrame:
         self.large = large
         self.small_total = small_total
         self.large_total = large_total
-        self.small_start = ss = _align(PREFIX_SIZE + len(header))
-        self.large_start = ls = _align(ss + small_total)
+        self.small_start = ss = (PREFIX_SIZE + len(header) + 63) & ~63
+        self.large_start = ls = (ss + small_total + 63) & ~63
         self.total = ls + large_total
 
-    def write_into(self, dst: memoryview) -> None:
-        """Copy the whole frame into ``dst`` (at least ``total`` bytes)."""
+    def write_into(self, dst: memoryview, dst_addr: int = 0) -> None:
+        """Copy the whole frame into ``dst`` (at least ``total`` bytes).
+
+        ``dst_addr``, when given, is the address of ``dst[0]`` (a mapping the
+        caller keeps alive); tensor regions are then copied by address."""
         header = self.header
         hl = len(header)
         PREFIX.pack_into(
             dst, 0, MAGIC, self.kind, 0, 0, hl, self.small_total, self.large_total
         )
         dst[PREFIX_SIZE : PREFIX_SIZE + hl] = header
-        base = self.small_start
-        for off, mv in self.small:
-            s = base + off
-            dst[s : s + len(mv)] = mv
-        if not self.large:
-            return
-        base = self.large_start
-        for off, mv in self.large:
-            s = base + off
-            dst[s : s + len(mv)] = mv
+        for base, regions in (
+            (self.small_start, self.small),
+            (self.large_start, self.large),
+        ):
+            for off, src in regions:
+                s = base + off
+                if type(src) is _Tensor:
+                    n = src.nbytes
+                    if s + n > len(dst):
+                        raise ValueError("frame larger than its destination")
+                    if dst_addr:
+                        _memmove(dst_addr + s, src.data_ptr(), n)
+                        continue
+                    src = _tensor_bytes(src)
+                dst[s : s + len(src)] = src
 
     def iovecs(self) -> list[Any]:
         """The frame as a gather list (for ``os.writev``), padding included."""
@@ -191,7 +211,8 @@ class EncodedFrame:
             (self.small_start, self.small),
             (self.large_start, self.large),
         ):
-            for off, mv in regions:
+            for off, src in regions:
+                mv = _region_bytes(src)
                 s = base + off
                 if s > pos:
                     out.append(bytes(s - pos))
@@ -408,8 +429,8 @@ class FrameCodec:
         if n == 0 or n > _TDICT_MAX_ENTRIES:
             return None
         items: list[Any] = []
-        small: list[tuple[int, memoryview]] = []
-        large: list[tuple[int, memoryview]] = []
+        small: list[Region] = []
+        large: list[Region] = []
         small_total = large_total = 0
         limit = self.limit
         large_leaf = self.large_leaf_bytes
@@ -433,17 +454,17 @@ class FrameCodec:
                 )
             if t.requires_grad:
                 t = t.detach()
-            dtype = t.dtype
-            mv = _tensor_bytes(t)
+            # The tensor itself is the region: copied by address into the
+            # ring, or through a byte view into a segment file.
             if nbytes >= large_leaf:
                 area, off = 1, large_total
-                large.append((off, mv))
-                large_total = _align(off + nbytes)
+                large.append((off, t))
+                large_total = (off + nbytes + 63) & ~63
             else:
                 area, off = 0, small_total
-                small.append((off, mv))
-                small_total = _align(off + nbytes, 16)
-            items += (k, _DTYPE_NAMES[dtype], t.shape, area, off, nbytes)
+                small.append((off, t))
+                small_total = (off + nbytes + 15) & ~15
+            items += (k, _DTYPE_NAMES[t.dtype], t.shape, area, off, nbytes)
         header = self._header_enc.encode(items)
         return EncodedFrame(KIND_TDICT, header, small, large, small_total, large_total)
 

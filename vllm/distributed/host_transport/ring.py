@@ -33,6 +33,7 @@ the producer withdrew it, ``PAD`` (4). Only the producer moves ``head`` and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -110,6 +111,10 @@ class ProducerRing:
         self._mm: mmap.mmap | None = None
         self._mv: memoryview | None = None
         self._q: memoryview | None = None
+        # Keeps an export of the mapping so its address stays valid; dropped
+        # before the mapping is closed.
+        self._anchor: Any = None
+        self._data_addr = 0
         self.head = 0
         self.tail = 0
         self.registered = False
@@ -132,6 +137,8 @@ class ProducerRing:
         self.fd = fd
         self._mm = mm
         self._mv = memoryview(mm)
+        self._anchor = ctypes.c_char.from_buffer(mm)
+        self._data_addr = ctypes.addressof(self._anchor) + HEADER_SIZE
         q = self._mv[:HEADER_SIZE].cast("Q")
         self._q = q
         e0, e1 = _edge_words(edge_hex)
@@ -179,7 +186,10 @@ class ProducerRing:
             head += pad
             off = 0
         FRAME.pack_into(mv, base + off, need, WRITING, head, key_hash)
-        frame.write_into(mv[base + off + FRAME_HDR : base + off + need])
+        frame.write_into(
+            mv[base + off + FRAME_HDR : base + off + need],
+            self._data_addr + off + FRAME_HDR,
+        )
         mv[base + off + STATE_OFF] = READY
         self.head = head + need
         q[Q_HEAD] = self.head  # publication point
@@ -245,6 +255,8 @@ class ProducerRing:
             setattr(self, attr, None)
             if v is not None:
                 v.release()
+        self._anchor = None
+        self._data_addr = 0
         mm, self._mm = self._mm, None
         if mm is not None:
             mm.close()
