@@ -527,7 +527,7 @@ def decode_object(
     return seg, rows
 
 
-def _payload_checksum(algo_id: int, payload: memoryview | np.ndarray) -> int:
+def _payload_checksum(algo_id: int, payload: memoryview) -> int:
     try:
         algo = ChecksumAlgorithm(algo_id)
     except ValueError as e:

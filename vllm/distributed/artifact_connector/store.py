@@ -24,7 +24,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -118,15 +118,19 @@ class ChecksumAlgorithm(enum.IntEnum):
     XXH3_64 = 2
 
 
-try:  # A fork requirement (requirements/common.txt); see default_checksum.
+_XXH3: Callable[[Payload], int] | None
+# Streaming xxh3-64 state (``xxhash.xxh3_64``): one pass over a payload gives
+# both the payload's digest and, after ``update(trailer)``, the digest of
+# payload + trailer.
+XXH3State: Any
+try:  # A fork requirement (requirements/fork.txt); see default_checksum.
     import xxhash as _xxhash  # type: ignore[import-not-found,unused-ignore]
-except ImportError:  # pragma: no cover - depends on the environment
-    _xxhash = None
 
-_XXH3 = None if _xxhash is None else _xxhash.xxh3_64_intdigest
-# Streaming xxh3-64 state: one pass over a payload yields both the payload's
-# digest and, after ``update(trailer)``, the digest of payload + trailer.
-XXH3State = None if _xxhash is None else _xxhash.xxh3_64
+    _XXH3 = _xxhash.xxh3_64_intdigest
+    XXH3State = _xxhash.xxh3_64
+except ImportError:  # pragma: no cover - depends on the environment
+    _XXH3 = None
+    XXH3State = None
 
 
 def available_checksums() -> tuple[ChecksumAlgorithm, ...]:
@@ -136,12 +140,13 @@ def available_checksums() -> tuple[ChecksumAlgorithm, ...]:
     return (ChecksumAlgorithm.CRC32,)
 
 
-def _require_xxhash() -> None:
+def _require_xxhash() -> Callable[[Payload], int]:
     if _XXH3 is None:
         raise ArtifactStoreError(
             "artifact stores checksum with xxh3-64, which needs the 'xxhash' "
             "package (a requirement of this fork): pip install xxhash"
         )
+    return _XXH3
 
 
 def default_checksum() -> ChecksumAlgorithm:
@@ -152,13 +157,12 @@ def default_checksum() -> ChecksumAlgorithm:
     return ChecksumAlgorithm.XXH3_64
 
 
-def checksum_function(algorithm: ChecksumAlgorithm):  # noqa: ANN201
+def checksum_function(algorithm: ChecksumAlgorithm) -> Callable[[Payload], int]:
     """The one-shot function ``bytes-like -> int`` of ``algorithm``."""
     if algorithm == ChecksumAlgorithm.CRC32:
         return zlib.crc32
     if algorithm == ChecksumAlgorithm.XXH3_64:
-        _require_xxhash()
-        return _XXH3
+        return _require_xxhash()
     raise ArtifactStoreError(f"unknown checksum algorithm id {int(algorithm)}")
 
 
