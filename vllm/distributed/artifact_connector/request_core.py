@@ -612,8 +612,10 @@ def _check_envelope_arrays(
             raw = b""
         if len(raw) != n * KEY_NBYTES:
             raw = validate_keys(exp_keys)
-        want = np.frombuffer(raw, np.uint8).reshape(n, KEY_NBYTES)
-        bad = (keys_u8 != want).any(axis=1)
+        # Compare as 4 x uint64 per key (a contiguous copy of 32 B per key).
+        want = np.frombuffer(raw, "<u8").reshape(n, KEY_NBYTES // 8)
+        have = np.ascontiguousarray(keys_u8).view("<u8")
+        bad = (have != want).any(axis=1)
         if bad.any():
             i = int(np.argmax(bad))
             raise EnvelopeError(
