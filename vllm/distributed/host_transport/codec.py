@@ -589,8 +589,13 @@ class FrameCodec:
                 s = large_start + off
                 if s + nbytes > n_src:
                     raise CorruptFrame("large region out of bounds")
-                t = torch.empty(shape, dtype=dtype)
-                t.reshape(-1).view(torch.uint8).numpy().data[:] = src[s : s + nbytes]
+                # Its own owned allocation (a bytearray is much cheaper to
+                # allocate than torch.empty at these sizes).
+                t = torch.frombuffer(
+                    bytearray(src[s : s + nbytes]), dtype=dtype, count=numel
+                )
+                if len(shape) != 1:
+                    t = t.view(shape)
             else:
                 raise CorruptFrame("bad region area")
             out[key] = t
@@ -651,10 +656,9 @@ class FrameCodec:
         buf, s = self._region(area, off, nbytes)
         if area == 0:
             return torch.frombuffer(buf, dtype=dtype, count=numel, offset=s).view(shape)
-        out = torch.empty(shape, dtype=dtype)
-        dst = out.reshape(-1).view(torch.uint8).numpy()
-        dst.data[:] = buf[s : s + nbytes]
-        return out
+        # A large leaf gets an owned allocation of its own.
+        own = bytearray(buf[s : s + nbytes])
+        return torch.frombuffer(own, dtype=dtype, count=numel).view(shape)
 
     def _decode_ndarray(self, data: memoryview) -> np.ndarray:
         dtype_str, shape, area, off, nbytes = self._meta_dec.decode(data)
