@@ -383,16 +383,6 @@ def _write_all(fd: int, bufs: Sequence[Payload], offset: int) -> int:
     return total
 
 
-def _read_exact(fd: int, out: memoryview, offset: int) -> bool:
-    got = 0
-    while got < len(out):
-        n = os.preadv(fd, [out[got:]], offset + got)
-        if n <= 0:
-            return False
-        got += n
-    return True
-
-
 # --------------------------------------------------------------------------
 # Index
 # --------------------------------------------------------------------------
@@ -1656,9 +1646,7 @@ def _runs(
     brk = np.ones(n, np.bool_)
     brk[1:] = (aids[1:] != aids[:-1]) | (offs[1:] != offs[:-1] + lens[:-1])
     starts = np.flatnonzero(brk)
-    ends = np.append(starts[1:], n)
     run_len = np.add.reduceat(lens, starts)
-    del ends
     return list(
         zip(
             aids[starts].tolist(),
