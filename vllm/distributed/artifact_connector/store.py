@@ -338,7 +338,9 @@ class ObjectStore(ABC):
         :attr:`checksum_algorithm` over each whole object; the store then
         records them instead of hashing again. A wrong value can only make
         later reads fail with :class:`ChecksumMismatchError`, never return
-        other bytes. Same semantics as :meth:`put_many` otherwise."""
+        other bytes. ``fill`` must not keep the buffer (or views of it) after
+        it returns: for the SHM backend it is the published arena memory.
+        Same semantics as :meth:`put_many` otherwise."""
         lens = np.asarray(lengths, np.int64)
         if lens.shape != (len(keys),) or (lens < 0).any():
             raise ValueError("lengths must be one non-negative int per key")
