@@ -566,6 +566,44 @@ def test_corrupt_frame_is_none_plus_counter(make_conn, ring_bytes):
     assert c.get("p", "c", "k2")[0] == 5
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [(4, 4096), (5, 7), (1, "no_such_dtype"), (2, [-1]), (3, 9), (0, 5)],
+)
+def test_corrupt_tensor_dict_header_is_none_plus_counter(make_conn, field, value):
+    """A tensor-dict frame whose header names a region outside the frame, a
+    size that does not match the shape, an unknown dtype, a negative dim, a
+    bad area or a non-str key is refused (None plus a counter), not read."""
+    prod, c = make_conn(TINY_RING), make_conn(TINY_RING)
+    _, _, desc = prod.put("p", "c", "k", {"t": torch.ones(4)})
+    assert desc["plane"] == "ring"
+    mv = prod._send_edges[("p", "c")].ring._mv
+    base = ringmod.HEADER_SIZE + desc["pos"] + ringmod.FRAME_HDR
+    prefix = codecmod.PREFIX.unpack_from(mv, base)
+    assert prefix[1] == codecmod.KIND_TDICT
+    hl = prefix[4]
+    start = base + codecmod.PREFIX_SIZE
+    items = msgspec.msgpack.decode(bytes(mv[start : start + hl]))
+    small_start = base + codecmod._align(codecmod.PREFIX_SIZE + hl)
+    small = bytes(mv[small_start : small_start + prefix[5]])
+    items[field] = value
+    frame = codecmod.EncodedFrame(
+        codecmod.KIND_TDICT,
+        msgspec.msgpack.encode(items),
+        [(0, memoryview(small))],
+        [],
+        prefix[5],
+        0,
+    )
+    slot = ringmod.FRAME.unpack_from(mv, base - ringmod.FRAME_HDR)[0]
+    assert frame.total <= slot - ringmod.FRAME_HDR
+    frame.write_into(mv[base : base - ringmod.FRAME_HDR + slot])
+    assert c.get("p", "c", "k") is None
+    assert c.health()["corrupt_frames"] == 1
+    prod.put("p", "c", "k2", {"t": torch.arange(3)})
+    assert torch.equal(c.get("p", "c", "k2")[0]["t"], torch.arange(3))
+
+
 def test_receive_thread_not_blocked_by_same_process_sender(make_conn):
     c = make_conn(TINY_RING)
     c.put("p", "c", "k", "v")
