@@ -468,6 +468,7 @@ class HostTransportConnector:
                     if res is ringmod.BUSY:
                         busy = True
                     elif res is not None:
+                        edge.missed.pop(key, None)
                         return res
                     break
         rings = edge.rings
@@ -485,6 +486,7 @@ class HostTransportConnector:
             if res is ringmod.BUSY:
                 busy = True
             elif res is not None:
+                edge.missed.pop(key, None)
                 return res
         # Per-key plane.
         token_now = scope.q[16]
