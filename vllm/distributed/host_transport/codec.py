@@ -229,8 +229,8 @@ class _TreeWalker:
     def __init__(self, limit: int, large_leaf_bytes: int) -> None:
         self.limit = limit
         self.large_leaf_bytes = large_leaf_bytes
-        self.small: list[tuple[int, memoryview]] = []
-        self.large: list[tuple[int, memoryview]] = []
+        self.small: list[Region] = []
+        self.large: list[Region] = []
         self.small_total = 0
         self.large_total = 0
         self.meta = msgspec.msgpack.Encoder()
@@ -244,6 +244,19 @@ class _TreeWalker:
             return 1, off
         off = self.small_total
         self.small.append((off, mv))
+        self.small_total = _align(off + n, 16)
+        return 0, off
+
+    def _tensor_region(self, t: torch.Tensor, n: int) -> tuple[int, int]:
+        """Like :meth:`_region` for a contiguous CPU tensor of ``n`` bytes:
+        the tensor itself is the region (copied by address into a ring)."""
+        if n >= self.large_leaf_bytes:
+            off = self.large_total
+            self.large.append((off, t))
+            self.large_total = _align(off + n)
+            return 1, off
+        off = self.small_total
+        self.small.append((off, t))
         self.small_total = _align(off + n, 16)
         return 0, off
 
@@ -285,7 +298,9 @@ class _TreeWalker:
                 t = _materialize(t)
             elif t.requires_grad:
                 t = t.detach()
-            area, off = self._region(_tensor_bytes(t))
+            if type(t) is not _Tensor:
+                t = t.as_subclass(_Tensor)  # plain tensor for the region
+            area, off = self._tensor_region(t, nbytes)
         return msgspec.msgpack.Ext(
             EXT_TENSOR,
             self.meta.encode((_DTYPE_NAMES[dtype], t.shape, area, off, nbytes)),
@@ -392,6 +407,7 @@ class FrameCodec:
         self._serial_enc: _SerialEncoder | None = None
         self._serial_dec: _SerialDecoder | None = None
         self.serial_fallbacks = 0
+        self._struct_classes: dict[str, type[msgspec.Struct]] = {}
         # Decode state (valid only during one decode call).
         self._src: memoryview | None = None
         self._small: bytearray | None = None
@@ -642,7 +658,9 @@ class FrameCodec:
 
     def _decode_tensor(self, data: memoryview) -> torch.Tensor:
         dtype_name, shape, area, off, nbytes = self._meta_dec.decode(data)
-        dtype = getattr(torch, dtype_name, None)
+        dtype = _DTYPES_BY_NAME.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
+            dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype):
             raise CorruptFrame(f"unknown dtype {dtype_name!r}")
         numel = 1
@@ -683,8 +701,14 @@ class FrameCodec:
         arr.flags.writeable = False
         return arr
 
-    def _decode_struct(self, data: memoryview) -> msgspec.Struct:
-        path, fields = self._header_dec.decode(data)
+    def _struct_class(self, path: Any) -> type[msgspec.Struct]:
+        """The ``msgspec.Struct`` class named ``module:QualName`` (validated
+        once per path, then cached)."""
+        cls = self._struct_classes.get(path) if type(path) is str else None
+        if cls is not None:
+            return cls
+        if type(path) is not str:
+            raise CorruptFrame("bad struct type name")
         mod_name, _, qualname = path.partition(":")
         try:
             obj: Any = importlib.import_module(mod_name)
@@ -694,6 +718,13 @@ class FrameCodec:
             raise CorruptFrame(f"unknown struct type {path!r}") from e
         if not (isinstance(obj, type) and issubclass(obj, msgspec.Struct)):
             raise CorruptFrame(f"{path!r} is not a msgspec.Struct")
+        if len(self._struct_classes) < 1024:
+            self._struct_classes[path] = obj
+        return obj
+
+    def _decode_struct(self, data: memoryview) -> msgspec.Struct:
+        path, fields = self._header_dec.decode(data)
+        obj = self._struct_class(path)
         names = obj.__struct_fields__
         if len(names) != len(fields):
             raise CorruptFrame(f"field count mismatch for {path!r}")
