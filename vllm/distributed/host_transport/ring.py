@@ -123,6 +123,11 @@ class ProducerRing:
         self._data_addr = 0
         self.head = 0
         self.tail = 0
+        # Set when a put found the ring full: the tail then and the size that
+        # did not fit. While the oldest frame is still unclaimed, a put of at
+        # least that size fails at once without walking the ring.
+        self._full_tail = -1
+        self._full_need = 0
         self.registered = False
         tmp = f".tmp-{self.name}"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -179,12 +184,19 @@ class ProducerRing:
         need = (frame.total + (FRAME_HDR + FRAME_ALIGN - 1)) & ~(FRAME_ALIGN - 1)
         if need > cap >> 2:
             return None
+        tail = self.tail
+        if tail == self._full_tail and need >= self._full_need:
+            state = mv[HEADER_SIZE + tail % cap + STATE_OFF]
+            if state in (READY, WRITING):
+                return None  # still full: the oldest frame is unclaimed
         head = self.head
         off = head % cap
         pad = cap - off if off + need > cap else 0
         if head + pad + need - self.tail > cap:
             self.reclaim()
             if head + pad + need - self.tail > cap:
+                self._full_tail = self.tail
+                self._full_need = need
                 return None
         base = HEADER_SIZE
         if pad:
