@@ -408,6 +408,7 @@ class FrameCodec:
         self._serial_dec: _SerialDecoder | None = None
         self.serial_fallbacks = 0
         self._struct_classes: dict[str, type[msgspec.Struct]] = {}
+        self._tdict_cache: dict[bytes, list[tuple[Any, ...]]] = {}
         # Decode state (valid only during one decode call).
         self._src: memoryview | None = None
         self._small: bytearray | None = None
@@ -560,23 +561,21 @@ class FrameCodec:
             raise CorruptFrame(f"frame failed to decode: {e!r}") from e
         raise CorruptFrame(f"unknown frame kind {kind}")
 
-    def _decode_tdict(
-        self,
-        src: memoryview,
-        header: memoryview,
-        small_start: int,
-        small_total: int,
-        large_start: int,
-    ) -> dict[str, torch.Tensor]:
-        items = self._meta_dec.decode(header)
+    def _tdict_entries(self, header: memoryview) -> list[tuple[Any, ...]]:
+        """Parse and validate a tensor-dict header into entries ``(key, dtype,
+        shape, area, offset, nbytes, numel)``. A header repeats from message
+        to message (same keys, dtypes and shapes), so validated entries are
+        cached by the header's bytes; the checks that depend on the frame
+        (regions inside their areas) are made for every frame."""
+        hb = bytes(header)
+        cache = self._tdict_cache
+        entries = cache.get(hb)
+        if entries is not None:
+            return entries
+        items = self._meta_dec.decode(hb)
         if type(items) is not list or not items or len(items) % 6:
             raise CorruptFrame("bad tensor-dict header")
-        # One owned buffer that every small leaf shares (bounds checked by
-        # decode(): the small area lies inside the frame).
-        small = bytearray(src[small_start : small_start + small_total])
-        n_small = len(small)
-        n_src = len(src)
-        out: dict[str, torch.Tensor] = {}
+        entries = []
         for i in range(0, len(items), 6):
             key, dtype_name, shape, area, off, nbytes = items[i : i + 6]
             dtype = _DTYPES_BY_NAME.get(dtype_name) if type(dtype_name) is str else None
@@ -595,26 +594,43 @@ class FrameCodec:
                 or numel * dtype.itemsize != nbytes
             ):
                 raise CorruptFrame("tensor size does not match its shape")
+            if area not in (0, 1) or type(area) is not int:
+                raise CorruptFrame("bad region area")
+            entries.append((key, dtype, shape, area, off, nbytes, numel))
+        if len(cache) >= 256:
+            cache.clear()
+        cache[hb] = entries
+        return entries
+
+    def _decode_tdict(
+        self,
+        src: memoryview,
+        header: memoryview,
+        small_start: int,
+        small_total: int,
+        large_start: int,
+    ) -> dict[str, torch.Tensor]:
+        entries = self._tdict_entries(header)
+        # One owned buffer that every small leaf shares (bounds checked by
+        # decode(): the small area lies inside the frame).
+        small = bytearray(src[small_start : small_start + small_total])
+        n_small = len(small)
+        n_src = len(src)
+        out: dict[str, torch.Tensor] = {}
+        frombuffer = torch.frombuffer
+        for key, dtype, shape, area, off, nbytes, numel in entries:
             if area == 0:
                 if off + nbytes > n_small:
                     raise CorruptFrame("small region out of bounds")
-                t = torch.frombuffer(small, dtype=dtype, count=numel, offset=off)
-                if len(shape) != 1:
-                    t = t.view(shape)
-            elif area == 1:
+                t = frombuffer(small, dtype=dtype, count=numel, offset=off)
+            else:
                 s = large_start + off
                 if s + nbytes > n_src:
                     raise CorruptFrame("large region out of bounds")
                 # Its own owned allocation (a bytearray is much cheaper to
                 # allocate than torch.empty at these sizes).
-                t = torch.frombuffer(
-                    bytearray(src[s : s + nbytes]), dtype=dtype, count=numel
-                )
-                if len(shape) != 1:
-                    t = t.view(shape)
-            else:
-                raise CorruptFrame("bad region area")
-            out[key] = t
+                t = frombuffer(bytearray(src[s : s + nbytes]), dtype=dtype, count=numel)
+            out[key] = t if len(shape) == 1 else t.view(shape)
         return out
 
     def _decode_serial(

@@ -91,6 +91,9 @@ class _RecvEdge:
     rings: list[_RecvRing] = field(default_factory=list)
     # key -> per-key token observed when that key was last missed.
     missed: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    # The last key polled and its hash: a receiver polls one key many times.
+    last_key: str | None = None
+    last_kh: bytes = b""
 
 
 @dataclass
@@ -456,7 +459,12 @@ class HostTransportConnector:
 
         if stamp != edge.seen_stamp:
             self._discover(scope, edge, stamp)
-        kh = _key_hash(key)
+        if key == edge.last_key:
+            kh = edge.last_kh
+        else:
+            kh = _key_hash(key)
+            edge.last_key = key
+            edge.last_kh = kh
         busy = False
         # A descriptor names the ring slot directly.
         if descriptor is not None and descriptor.get("plane") == "ring":
