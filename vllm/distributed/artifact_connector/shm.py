@@ -47,7 +47,6 @@ import json
 import mmap
 import os
 import re
-import select
 import stat
 import struct
 import threading
@@ -87,6 +86,7 @@ from vllm.distributed.artifact_connector.store import (
     ref_key,
     validate_keys,
 )
+from vllm.distributed.process_identity import ProcessWatch, process_start_ticks
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -142,23 +142,6 @@ def _pid_ns_inode() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/pid/stat``
-    field 22), or ``None`` if the process does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the
-    # last ')'.
-    rest = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return int(rest[19])
-    except (IndexError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -219,35 +202,8 @@ class WriterIdentity:
             return False
         if self.pid_ns and self.pid_ns != _pid_ns_inode():
             return None
-        pidfd = -1
-        pidfd_open = getattr(os, "pidfd_open", None)
-        if pidfd_open is not None:
-            try:
-                pidfd = pidfd_open(self.pid)
-            except ProcessLookupError:
-                return False
-            except OSError:
-                pidfd = -1
-        else:  # pragma: no cover - Linux < 5.3 / Python without pidfd
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-        try:
-            if process_start_ticks(self.pid) != self.start_ticks:
-                return False  # pid reused by another process
-            if pidfd >= 0:
-                # A pidfd becomes readable when its process exits: the start
-                # time we read belonged to the live process the pidfd names.
-                r, _, _ = select.select([pidfd], [], [], 0)
-                if r:
-                    return False
-            return True
-        finally:
-            if pidfd >= 0:
-                os.close(pidfd)
+        with ProcessWatch(self.pid, self.start_ticks) as watch:
+            return watch.alive()
 
 
 # --------------------------------------------------------------------------
