@@ -37,12 +37,12 @@ from vllm.distributed.host_transport.config import HostTransportConfig
 from vllm.distributed.host_transport.discovery import (
     RING_NAME_RE,
     HostTransportError,
-    ProducerLiveness,
     ScopeDir,
     check_platform,
     hex_name,
     self_identity,
 )
+from vllm.distributed.process_identity import ProcessWatch
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class _SendEdge:
 @dataclass
 class _RecvRing:
     view: ringmod.RingView
-    liveness: ProducerLiveness
+    liveness: ProcessWatch
 
 
 @dataclass
@@ -556,7 +556,7 @@ class HostTransportConnector:
             if m is None:
                 continue
             pid, start = int(m.group(2)), int(m.group(3))
-            liveness = ProducerLiveness(pid, start)
+            liveness = ProcessWatch(pid, start)
             if not liveness.alive():
                 liveness.close()
                 self._stats["dead_producers_pruned"] += 1

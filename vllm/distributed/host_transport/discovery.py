@@ -10,11 +10,12 @@ import hashlib
 import mmap
 import os
 import re
-import select
 import stat
 import sys
 import threading
 import time
+
+from vllm.distributed.process_identity import process_start_ticks
 
 STAMP_FILE = "stamp"
 STAMP_SIZE = 4096
@@ -49,21 +50,6 @@ def hex_name(*parts: str | bytes, size: int = 16) -> str:
     return h.hexdigest()
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, ``None`` if gone."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rpar = data.rfind(b")")
-    fields = data[rpar + 2 :].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
 _self_identity: tuple[int, int] | None = None
 
 # Per-key token source: a random 64-bit base drawn once per process (redrawn
@@ -89,66 +75,16 @@ def self_identity() -> tuple[int, int]:
     global _self_identity
     pid = os.getpid()
     if _self_identity is None or _self_identity[0] != pid:
-        start = process_start_time(pid)
+        start = process_start_ticks(pid)
         if start is None:
             raise HostTransportError("cannot read /proc/self/stat")
         _self_identity = (pid, start)
     return _self_identity
 
 
-class ProducerLiveness:
-    """Tracks whether one producer process (pid + start time) is alive.
-
-    Uses a pidfd where the kernel offers one: it refers to exactly the process
-    it was opened for, so a restarted producer with a reused pid can never be
-    mistaken for the original. Without pidfd, the start time is re-read.
-    """
-
-    def __init__(self, pid: int, start: int) -> None:
-        self.pid = pid
-        self.start = start
-        self._pidfd: int | None = None
-        self._poll: select.poll | None = None
-        self._dead = False
-        pidfd_open = getattr(os, "pidfd_open", None)
-        if pidfd_open is not None:
-            try:
-                self._pidfd = pidfd_open(pid)
-            except ProcessLookupError:
-                self._dead = True
-                return
-            except OSError:
-                self._pidfd = None
-        # Verify the identity after opening the pidfd (guards pid reuse).
-        if process_start_time(pid) != start:
-            self._dead = True
-            self.close()
-            return
-        if self._pidfd is not None:
-            self._poll = select.poll()
-            self._poll.register(self._pidfd, select.POLLIN)
-
-    def alive(self) -> bool:
-        if self._dead:
-            return False
-        if self._poll is not None:
-            if self._poll.poll(0):
-                self._dead = True
-        elif process_start_time(self.pid) != self.start:
-            self._dead = True
-        return not self._dead
-
-    def close(self) -> None:
-        fd, self._pidfd = self._pidfd, None
-        self._poll = None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
 def producer_alive(pid: int, start: int) -> bool:
     """One-shot liveness check (no descriptor kept)."""
-    return process_start_time(pid) == start
+    return process_start_ticks(pid) == start
 
 
 class ScopeDir:
