@@ -22,6 +22,18 @@ Run: ``.venv/bin/python benchmarks/bench_artifact_store.py``
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Keep every cache and temporary file of this run under the repository's
+# .cache/ (importing torch/vllm would otherwise write to /tmp).
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent / "tools" / "cpu_harness")
+)
+from harness_env import apply_harness_env
+
+apply_harness_env(enable_triton_interpreter=False)
+
 import argparse
 import hashlib
 import json
@@ -30,7 +42,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 

@@ -21,6 +21,18 @@ Usage: python benchmarks/bench_host_transport.py [--iters 2000] [--out f.json]
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Keep every cache and temporary file of this run under the repository's
+# .cache/ (importing torch/vllm would otherwise write to /tmp).
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent / "tools" / "cpu_harness")
+)
+from harness_env import apply_harness_env
+
+apply_harness_env(enable_triton_interpreter=False)
+
 import argparse
 import contextlib
 import json
@@ -29,7 +41,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from typing import Any

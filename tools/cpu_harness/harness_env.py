@@ -46,17 +46,22 @@ def harness_env(enable_triton_interpreter: bool = True) -> dict[str, str]:
     return env
 
 
-def apply_harness_env(override: bool = False) -> None:
+def apply_harness_env(
+    override: bool = False, enable_triton_interpreter: bool = True
+) -> None:
     """Set the harness environment in this process (children inherit it).
 
-    The ``.pth`` hook ran at start-up, before these variables existed, so the
-    Triton stub is installed here for this process too.
+    Call it before torch or vllm is imported (importing vllm creates torch's
+    inductor cache directory under ``TMPDIR``). The ``.pth`` hook ran at
+    start-up, before these variables existed, so the Triton stub is installed
+    here for this process too.
     """
-    for key, value in harness_env().items():
+    for key, value in harness_env(enable_triton_interpreter).items():
         if override:
             os.environ[key] = value
         else:
             os.environ.setdefault(key, value)
-    import vllm_fork_cpu_harness
+    if enable_triton_interpreter:
+        import vllm_fork_cpu_harness
 
-    vllm_fork_cpu_harness.install()
+        vllm_fork_cpu_harness.install()
