@@ -121,7 +121,6 @@ _REC_DROP = 3  # version gone
 _REC_NOCURRENT = 4  # key keeps old versions but has no current version
 _REC_RETIRE = 5  # arena unlinked: readers drop their mapping of it
 _ALIGN = 64  # batches start on 64-byte boundaries
-_READ_CHUNK = 64  # objects hashed, then copied while still in cache
 
 _T = TypeVar("_T")
 
@@ -1330,6 +1329,13 @@ class ShmObjectStore(ObjectStore):
     def _locate(self, keys: Sequence[KeyOrRef]) -> np.ndarray:
         """Slots of ``keys``, raising the typed error for the first one
         that is missing."""
+        # Fast path: current versions by key. ``cur`` has str keys only, so
+        # a ref (a tuple) or a missing key yields None, on which fromiter
+        # raises; the general lookup below then sorts it out.
+        try:
+            return np.fromiter(map(self._index.cur.get, keys), np.int64, len(keys))  # type: ignore[arg-type]
+        except TypeError:
+            pass
         found = self._index.lookup(keys)
         if None in found:
             for k, s in zip(keys, found):
@@ -1466,7 +1472,6 @@ class ShmObjectStore(ObjectStore):
         trailers = np.empty((n, trailer_nbytes), np.uint8)
         if n == 0:
             return SplitBatch(trailers, lens, sums)
-        by_id = {a.aid: a for a in maps}
         if trailer_nbytes:
             starts = offs + bodies
             # Trailers aligned to their own size (64-byte envelopes after
@@ -1484,52 +1489,32 @@ class ShmObjectStore(ObjectStore):
                     tv[sel] = a.arr.view(f"V{unit}")[starts[sel] // unit]
                 else:
                     trailers[sel] = a.arr[starts[sel][:, None] + tcol]
-        dst = np.zeros(n, np.int64)
-        if n > 1:
-            np.cumsum(bodies[:-1], out=dst[1:])
         # Each object is checksummed and then copied while its bytes are
-        # still in cache, so memory is read once. Runs of equal-size objects
-        # adjacent in one arena (a batched publication) are hashed and then
-        # copied with one strided numpy copy per chunk of the run; isolated
-        # objects are hashed and copied one by one.
-        brk = np.ones(n, np.bool_)
-        brk[1:] = (
-            (aids[1:] != aids[:-1])
-            | (lens[1:] != lens[:-1])
-            | (offs[1:] != offs[:-1] + lens[:-1])
-        )
-        brk[::_READ_CHUNK] = True
-        run_start = np.flatnonzero(brk)
-        run_len = np.diff(np.append(run_start, n))
-        aid_l = aids.tolist()
-        offs_l, ends_l = offs.tolist(), (offs + lens).tolist()
-        bodies_l, dst_l, sums_l = bodies.tolist(), dst.tolist(), sums.tolist()
+        # still in L1 (an object is a few KiB), so memory is read once. One
+        # object per iteration with memoryview slices (memcpy) beat hashing
+        # a chunk of objects and copying it with one strided numpy copy.
+        dst_end = np.cumsum(bodies)
         fn = checksum_function(self._algo)
         omv = out.data
-        for i, k in zip(run_start.tolist(), run_len.tolist()):
-            a = by_id[aid_l[i]]
-            if k == 1:
-                v = a.mv[offs_l[i] : ends_l[i]]
-                if fn(v) != sums_l[i]:
-                    self._checksum_failed(keys, i)
-                d = dst_l[i]
-                omv[d : d + bodies_l[i]] = v[: bodies_l[i]]
-                continue
-            got = list(
-                map(
-                    fn,
-                    map(
-                        a.mv.__getitem__,
-                        map(slice, offs_l[i : i + k], ends_l[i : i + k]),
-                    ),
-                )
+        mvs = {a.aid: a.mv for a in maps}
+        if len(maps) == 1:
+            arena_views: Iterable[memoryview] = repeat(maps[0].mv)
+        else:
+            arena_views = map(mvs.__getitem__, aids.tolist())
+        for i, (mv, o, e, b, de, want) in enumerate(
+            zip(
+                arena_views,
+                offs.tolist(),
+                (offs + lens).tolist(),
+                bodies.tolist(),
+                dst_end.tolist(),
+                sums.tolist(),
             )
-            if got != sums_l[i : i + k]:
-                bad = [g != w for g, w in zip(got, sums_l[i : i + k])]
-                self._checksum_failed(keys, i + bad.index(True))
-            size, b, o, d = ends_l[i] - offs_l[i], bodies_l[i], offs_l[i], dst_l[i]
-            src = a.arr[o : o + k * size].reshape(k, size)
-            out[d : d + k * b].reshape(k, b)[...] = src[:, :b]
+        ):
+            v = mv[o:e]
+            if fn(v) != want:
+                self._checksum_failed(keys, i)
+            omv[de - b : de] = v[:b]
         return SplitBatch(trailers, lens, sums)
 
     # ----------------------------------------------------------- misc
