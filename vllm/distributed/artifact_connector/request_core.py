@@ -303,19 +303,30 @@ _get_tail = attrgetter("is_tail")
 _get_key = attrgetter("key")
 
 
-def _segment_arrays(
+def _segment_columns(
     segments: Sequence[Segment],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """The segments' keys (a tuple) and their starts, row counts and tail
+    flags (arrays)."""
     n = len(segments)
     if n == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.bool_)
+        z = np.zeros(0, np.int64)
+        return (), z, z.copy(), np.zeros(0, np.bool_)
     # Segments are named tuples: zip(*) transposes them at C speed.
-    _keys, starts, nrows, tails = zip(*segments)
+    keys, starts, nrows, tails = zip(*segments)
     return (
+        keys,
         np.fromiter(starts, np.int64, n),
         np.fromiter(nrows, np.int64, n),
         np.fromiter(tails, np.bool_, n),
     )
+
+
+def _segment_arrays(
+    segments: Sequence[Segment],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    _keys, starts, nrows, tails = _segment_columns(segments)
+    return starts, nrows, tails
 
 
 def _check_coverage_arrays(
@@ -554,7 +565,7 @@ def _check_envelope_arrays(
     env: np.ndarray,
     spec: RowSpec,
     lengths: Sequence[int] | np.ndarray,
-    expected: tuple[np.ndarray, np.ndarray, np.ndarray, list[str]] | None,
+    expected: tuple[np.ndarray, np.ndarray, np.ndarray, Sequence[str]] | None,
 ) -> list[Segment]:
     n = env.shape[0]
     lengths = np.asarray(lengths, np.int64)
@@ -784,11 +795,11 @@ def read_request(
     (``out`` if given: a C-contiguous ``[num_rows, L, K]`` array of the
     spec's dtype); envelopes are checked, vectorised, before it is
     returned. Every inconsistency raises; nothing partial is returned."""
-    starts, nrows, tails = _segment_arrays(segments)
+    keys_s, starts, nrows, tails = _segment_columns(segments)
     _check_coverage_arrays(starts, nrows, tails, num_rows)
-    keys_s = list(map(_get_key, segments))
-    keys: list[str | ObjectRef] = list(keys_s)
+    keys: Sequence[str | ObjectRef] = keys_s
     if versions is not None:
+        exact: list[str | ObjectRef] = list(keys_s)
         if len(versions) != len(segments):
             raise CoverageError(
                 f"{len(versions)} versions given for {len(segments)} objects"
@@ -800,7 +811,8 @@ def read_request(
                 raise CoverageError(
                     f"version {i} names key {v.key}, expected {keys_s[i]}"
                 )
-            keys[i] = v
+            exact[i] = v
+        keys = exact
     shape = (num_rows, *spec.row_shape)
     if out is None:
         out = np.empty(shape, spec.dtype)
