@@ -1497,23 +1497,20 @@ class ShmObjectStore(ObjectStore):
         fn = checksum_function(self._algo)
         omv = out.data
         mvs = {a.aid: a.mv for a in maps}
-        if len(maps) == 1:
-            arena_views: Iterable[memoryview] = repeat(maps[0].mv)
-        else:
-            arena_views = map(mvs.__getitem__, aids.tolist())
-        for i, (mv, o, e, b, de, want) in enumerate(
-            zip(
-                arena_views,
-                offs.tolist(),
-                (offs + lens).tolist(),
-                bodies.tolist(),
-                dst_end.tolist(),
-                sums.tolist(),
-            )
+        aid_l = aids.tolist()
+        offs_l, ends_l, sums_l = offs.tolist(), (offs + lens).tolist(), sums.tolist()
+        views = repeat(maps[0].mv) if len(maps) == 1 else map(mvs.__getitem__, aid_l)
+        for mv, o, e, b, de, want in zip(
+            views, offs_l, ends_l, bodies.tolist(), dst_end.tolist(), sums_l
         ):
             v = mv[o:e]
             if fn(v) != want:
-                self._checksum_failed(keys, i)
+                # Name the first object that fails (rare; no index kept above).
+                bad = [
+                    fn(mvs[a][o:e]) != w
+                    for a, o, e, w in zip(aid_l, offs_l, ends_l, sums_l)
+                ]
+                self._checksum_failed(keys, bad.index(True) if True in bad else 0)
             omv[de - b : de] = v[:b]
         return SplitBatch(trailers, lens, sums)
 
