@@ -492,7 +492,7 @@ class _Index:
         if (
             n
             and (types == _REC_PUT).all()
-            and not any(map(self.head.__contains__, keys))
+            and self.head.keys().isdisjoint(keys)
             and len(set(keys)) == n
         ):
             self.put_new(
@@ -1130,7 +1130,7 @@ class ShmObjectStore(ObjectStore):
             if self._fault_hook is not None:
                 self._fault_hook("after_data")
             idx = self._index
-            fresh = not any(map(idx.head.__contains__, keys)) and len(set(keys)) == n
+            fresh = idx.head.keys().isdisjoint(keys) and len(set(keys)) == n
             if fresh:
                 statuses = [PutStatus.WRITTEN] * n
                 recs = _records(_REC_PUT, kraw, arena.aid, offs, lens, cs)
