@@ -180,7 +180,11 @@ def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
     return res
 
 
-def empty_poll(scope: str, ring: int, n: int) -> float:
+def _empty_poll_setup(
+    scope: str, ring: int
+) -> tuple[HostTransportConnector, HostTransportConnector]:
+    """A producer with one payload out, and a receiver that has missed once
+    (so its ring is attached and the next polls are the steady state)."""
     prod = HostTransportConnector(
         HostTransportConfig(host_ring_bytes=ring, scope=scope)
     )
@@ -189,6 +193,11 @@ def empty_poll(scope: str, ring: int, n: int) -> float:
         HostTransportConfig(host_ring_bytes=ring, scope=scope)
     )
     conn.get("s", "r", "missing")
+    return prod, conn
+
+
+def empty_poll(scope: str, ring: int, n: int) -> float:
+    prod, conn = _empty_poll_setup(scope, ring)
     get = conn.get
     t0 = time.perf_counter_ns()
     for _ in range(n):
@@ -299,14 +308,7 @@ def fallback_put(scope: str, data: Any, n: int) -> dict[str, Any]:
 
 
 def _empty_poll_child(scope: str, ring: int, n: int) -> None:
-    prod = HostTransportConnector(
-        HostTransportConfig(host_ring_bytes=ring, scope=scope)
-    )
-    prod.put("s", "r", "present", {"codes": torch.arange(4)})
-    conn = HostTransportConnector(
-        HostTransportConfig(host_ring_bytes=ring, scope=scope)
-    )
-    conn.get("s", "r", "missing")
+    prod, conn = _empty_poll_setup(scope, ring)
     get = conn.get
     print("ready", flush=True)
     sys.stdin.readline()
