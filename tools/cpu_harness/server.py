@@ -3,12 +3,14 @@
 """Start and stop a real ``vllm serve`` for the demo and the HTTP tests.
 
 The server runs in its own session (process group), so stopping it reaches the
-API server, EngineCore and every worker, and nothing is left behind.
+API server, EngineCore and every worker, and nothing is left behind: its
+``TMPDIR`` is a private folder under ``.cache/tmp`` removed when it stops.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from harness_env import CACHE, harness_env
+from harness_env import CACHE, harness_env, run_tmpdir
 
 
 def free_port() -> int:
@@ -43,13 +45,16 @@ class VllmServer:
         self.startup_timeout = startup_timeout
         self.log_path = Path(CACHE) / "logs" / log_name
         self.proc: subprocess.Popen | None = None
+        self.tmpdir: Path | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> VllmServer:
+        self.tmpdir = run_tmpdir("server")
         env = dict(os.environ, **harness_env())
+        env["TMPDIR"] = str(self.tmpdir)
         vllm = Path(sys.executable).with_name("vllm")
         cmd = [str(vllm), "serve", self.model, "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), *self.extra_args]
@@ -88,6 +93,14 @@ class VllmServer:
             return ""
 
     def stop(self) -> None:
+        try:
+            self._stop_group()
+        finally:
+            if self.tmpdir is not None:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+                self.tmpdir = None
+
+    def _stop_group(self) -> None:
         if self.proc is None:
             return
         pgid = self.proc.pid  # its own session: pgid == pid
