@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""`make demo` end to end: real server, openai client, summary, picture, cleanup."""
+"""`make demo`: the routing picture, the error outside the venv, and the demo
+end to end (real server, openai client, summary, picture, cleanup)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.engine
+TMP = ROOT / ".cache" / "tmp"
 
 
 def _our_processes() -> set[int]:
@@ -33,10 +34,88 @@ def _our_processes() -> set[int]:
     return pids
 
 
+def _requests():
+    import demo
+
+    rng = np.random.default_rng(0)
+    return [
+        demo.RoutedRequest(
+            "completion", "Mixture of experts models route every token",
+            rng.integers(0, 8, (24, 2, 2), dtype=np.uint8), 9, 16,
+        ),
+        demo.RoutedRequest(
+            "chat completion", "What is the capital of France?",
+            rng.integers(0, 8, (33, 2, 2), dtype=np.uint8), 18, 16,
+        ),
+    ]  # fmt: skip
+
+
+def test_routing_figure_has_the_panels_a_reader_needs():
+    import demo
+
+    requests = _requests()
+    fig = demo.routing_figure(requests, num_experts=8)
+    routes_axes = [ax for ax in fig.axes if ax.images]
+    load_axes = [ax for ax in fig.axes if "expert load" in ax.get_title()]
+    assert len(routes_axes) == len(load_axes) == 2, "one pair of panels a request"
+    for ax, load, req in zip(routes_axes, load_axes, requests):
+        tokens, layers, top_k = req.routes.shape
+        title = ax.get_title(loc="left")
+        assert req.name in title and req.text in title
+        counts = f"{req.prompt_tokens} prompt + {req.completion_tokens} generated"
+        assert counts in title
+        # tokens along x, one row per (layer, slot), the routes themselves
+        image = ax.images[0].get_array()
+        assert image.shape == (layers * top_k, tokens)
+        np.testing.assert_array_equal(image[1], req.routes[:, 0, 1])
+        np.testing.assert_array_equal(image[top_k], req.routes[:, 1, 0])
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert labels == ["layer 0 · slot 0", "layer 0 · slot 1",
+                          "layer 1 · slot 0", "layer 1 · slot 1"]  # fmt: skip
+        assert "token position" in ax.get_xlabel()
+        # the line where generation starts
+        starts = [ln.get_xdata()[0] for ln in ax.lines]
+        assert req.prompt_tokens - 0.5 in starts
+        # the load panel: one bar per expert per layer, heights = counts
+        heights = [p.get_height() for p in load.patches]
+        assert len(heights) == 8 * layers
+        expected = np.bincount(req.routes[:, 0].ravel(), minlength=8)
+        assert heights[:8] == expected.tolist()
+        assert load.get_xlabel() == "expert ID"
+    legend_labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend_labels == [f"expert {e}" for e in range(8)]
+
+
+def test_routing_picture_is_readable_at_natural_size(tmp_path):
+    import demo
+    from PIL import Image
+
+    path = tmp_path / "routing.png"
+    demo.save_picture(path, _requests(), num_experts=8)
+    with Image.open(path) as im:
+        width, height = im.size
+    # was 216x36 with no axes: at least a screen's width, ~400 px a request
+    assert width >= 1200 and height >= 2 * 400, (width, height)
+
+
+def test_demo_outside_the_venv_says_to_use_make_demo():
+    """No site-packages (-S) stands in for a system Python without them."""
+    proc = subprocess.run(
+        [sys.executable, "-S", str(ROOT / "tools" / "demo.py")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "make demo" in proc.stderr
+    assert "numpy" in proc.stderr
+
+
+@pytest.mark.engine
 def test_demo_prints_routes_writes_picture_and_stops_everything():
     picture = ROOT / ".cache" / "demo" / "routing.png"
     picture.unlink(missing_ok=True)
     before = _our_processes()
+    tmp_before = set(TMP.iterdir())
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "demo.py")],
         capture_output=True,
@@ -51,3 +130,5 @@ def test_demo_prints_routes_writes_picture_and_stops_everything():
     assert out.count("layer 1: [") == 2  # per-layer expert counts of both
     assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _our_processes() <= before, "the demo left server processes behind"
+    left = sorted(p.name for p in set(TMP.iterdir()) - tmp_before)
+    assert left == [], f"the demo left files in .cache/tmp: {left}"
