@@ -1,22 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The worker's logical per-request row buffer.
+"""The worker's row buffer: unpublished rows of every running attempt.
 
-Holds only *uncommitted* rows of one request attempt, indexed by logical
-token position (never by KV slot or block id):
+All rows live in one slab allocated at start-up (:class:`RowSlab`), cut into
+pages of one hash block each. An attempt's rows (:class:`AttemptRows`) are
+indexed by logical token position, never by KV slot or block id: page ``i``
+of an attempt holds rows ``[committed + i*B, committed + (i+1)*B)``. A full
+page *is* a block's payload: publication takes the page itself (no copy)
+and returns it to the slab once the object is in the store.
 
-* it starts at the request's cached length (a hash-block boundary);
-* a write at a position below the current end replaces everything from that
-  position on (recomputation after preemption, a rejected asynchronous
-  suffix); a write beyond the end is a gap and is rejected;
-* full blocks are handed out for publication (:meth:`ready_blocks`) and
-  released once published (:meth:`release`); a recomputation may restart
-  below the committed boundary only on a block boundary, after which those
-  blocks are published again;
-* memory is bounded by ``max_rows`` uncommitted rows.
+The slab is sized from the scheduler's limits, so memory is bounded and
+known at start-up: one partial page per running request plus the pages of
+the steps that can be in flight or queued for publication.
 """
 
 from __future__ import annotations
+
+import collections
+import threading
 
 import numpy as np
 
@@ -29,161 +30,219 @@ class RowBufferError(ArtifactError):
 
 
 class RowGapError(RowBufferError):
-    """Rows would leave a hole (write past the end, finalize past the end)."""
+    """Rows would leave a hole (a write past the end, a finalize past the
+    rows received)."""
 
 
 class RowOverlapError(RowBufferError):
-    """Rows overlap committed rows in a way that cannot be replayed."""
+    """Rows overlap rows already handed to publication."""
 
 
 class RowBufferCapacityError(RowBufferError):
-    """More uncommitted rows than the per-request bound."""
+    """The slab has no free page (more rows in flight than it was sized
+    for)."""
 
 
-class RequestRowBuffer:
-    """Uncommitted rows ``[committed, end)`` of one request attempt."""
+# How long a write waits for the publication thread to return a page before
+# the slab counts as exhausted (back-pressure, not a normal wait).
+PAGE_WAIT_S = 2.0
 
-    def __init__(
-        self,
-        spec: RowSpec,
-        block_size: int,
-        start_row: int = 0,
-        *,
-        max_rows: int = 1 << 16,
-    ) -> None:
-        if block_size <= 0:
-            raise ValueError("block_size must be positive")
-        if start_row < 0 or start_row % block_size:
-            raise RowOverlapError(
-                f"a request's cached start must be a multiple of the hash block "
-                f"size {block_size}, got {start_row}"
-            )
-        if max_rows < block_size:
-            raise ValueError("max_rows must hold at least one block")
+
+class RowSlab:
+    """``num_pages`` pages of ``[block_size, L, K]`` rows in one array.
+
+    Pages are taken and returned on the engine's thread; the publication
+    thread hands pages back through :meth:`free_later` (thread-safe), and
+    they are reclaimed at the next :meth:`alloc`."""
+
+    def __init__(self, spec: RowSpec, block_size: int, num_pages: int) -> None:
+        if block_size <= 0 or num_pages <= 0:
+            raise ValueError("block_size and num_pages must be positive")
         self.spec = spec
         self.block_size = block_size
+        self.pages = np.zeros((num_pages, block_size, *spec.row_shape), spec.dtype)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._returned: collections.deque[int] = collections.deque()
+        self._returned_event = threading.Event()
+
+    @classmethod
+    def for_scheduler(
+        cls,
+        spec: RowSpec,
+        block_size: int,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        steps_in_flight: int,
+    ) -> RowSlab:
+        """Sized for the worst case: each running request holds one partial
+        page, and each step in flight or queued for publication completes at
+        most ``max_num_batched_tokens / B + max_num_seqs`` pages (a request's
+        rows of one step can straddle one extra page)."""
+        per_step = -(-max_num_batched_tokens // block_size) + max_num_seqs
+        return cls(spec, block_size, max_num_seqs + steps_in_flight * per_step)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.nbytes
+
+    def num_free(self) -> int:
+        self._reclaim()
+        return len(self._free)
+
+    def _reclaim(self) -> None:
+        ret = self._returned
+        while ret:
+            self._free.append(ret.popleft())
+
+    def alloc(self, timeout_s: float = 0.0) -> int:
+        """A free page; waits up to ``timeout_s`` for the publication thread
+        to return one, then raises :class:`RowBufferCapacityError`."""
+        self._reclaim()
+        if not self._free and timeout_s > 0:
+            self._returned_event.clear()
+            self._reclaim()
+            if not self._free and self._returned_event.wait(timeout_s):
+                self._reclaim()
+        if not self._free:
+            raise RowBufferCapacityError(
+                f"the artifact row buffer's {self.num_pages} pages are all in "
+                "use: more rows are in flight than the scheduler limits allow "
+                "for, or publication is not keeping up"
+            )
+        return self._free.pop()
+
+    def free(self, page: int) -> None:
+        self._free.append(page)
+
+    def free_later(self, page: int) -> None:
+        """Return a page from another thread."""
+        self._returned.append(page)
+        self._returned_event.set()
+
+
+class AttemptRows:
+    """Unpublished rows ``[committed, end)`` of one attempt, in slab pages.
+
+    * It starts at the attempt's cached length (a block boundary).
+    * A write at a position below ``end`` replaces the rows from there on
+      (a rejected asynchronous suffix); a write past ``end`` is a gap.
+    * :meth:`take_block` hands the first full page to publication and
+      advances ``committed``; rows below ``committed`` can no longer change.
+    * Each page remembers the weight version of its first row: a block that
+      straddles a weight update is keyed with the older version, so a later
+      prefix hit under the newer weights fails loudly instead of reusing it.
+    """
+
+    def __init__(self, slab: RowSlab, start_row: int) -> None:
+        bs = slab.block_size
+        if start_row < 0 or start_row % bs:
+            raise RowOverlapError(
+                f"an attempt's cached start must be a multiple of the hash "
+                f"block size {bs}, got {start_row}"
+            )
+        self.slab = slab
         self.start_row = start_row
-        self.max_rows = max_rows
-        self._base = start_row
-        self._len = 0
-        self._rows = np.empty(
-            (min(max_rows, 4 * block_size), *spec.row_shape), spec.dtype
-        )
+        self.committed = start_row
+        self.end = start_row
+        self._pages: list[int] = []
+        self._versions: list[str] = []
 
-    @property
-    def committed(self) -> int:
-        """Rows below this position were released (published)."""
-        return self._base
+    def write(self, start: int, rows: np.ndarray, weight_version: str) -> None:
+        """Rows for tokens ``[start, start + len(rows))``."""
+        spec = self.slab.spec
+        if rows.dtype != spec.dtype or rows.shape[1:] != spec.row_shape:
+            raise RowBufferError(
+                f"rows must be [n, {spec.num_layers}, {spec.top_k}] {spec.dtype}, "
+                f"got {list(rows.shape)} {rows.dtype}"
+            )
+        i = 0
+        for page, off, take in self.place(start, rows.shape[0], weight_version):
+            self.slab.pages[page, off : off + take] = rows[i : i + take]
+            i += take
 
-    @property
-    def end(self) -> int:
-        """One past the last row held."""
-        return self._base + self._len
-
-    @property
-    def num_rows_held(self) -> int:
-        return self._len
-
-    @property
-    def nbytes_reserved(self) -> int:
-        return self._rows.nbytes
-
-    def write(self, start: int, rows: np.ndarray) -> None:
-        """Store rows for tokens ``[start, start + len(rows))``, replacing any
-        held rows from ``start`` on."""
-        self.spec.check_rows(rows)
-        if start < 0:
-            raise RowGapError(f"negative row position {start}")
+    def place(
+        self, start: int, num_rows: int, weight_version: str
+    ) -> list[tuple[int, int, int]]:
+        """Make room for rows ``[start, start + num_rows)`` (replacing held
+        rows from ``start`` on) and return where they go: ``(page, row in
+        page, count)`` pieces. The caller copies the rows there."""
         if start > self.end:
             raise RowGapError(
-                f"rows for tokens [{start}, {start + len(rows)}) leave a gap after "
-                f"row {self.end}"
+                f"rows for tokens [{start}, {start + num_rows}) leave a gap "
+                f"after row {self.end}"
             )
-        if start < self._base:
-            if start % self.block_size:
-                raise RowOverlapError(
-                    f"recomputed rows start at {start}, inside already committed "
-                    f"rows [.., {self._base}) and not on a block boundary "
-                    f"({self.block_size})"
-                )
-            self._base = start
-            self._len = 0
-        else:
-            self._len = start - self._base
-        n = rows.shape[0]
-        need = self._len + n
-        if need > self.max_rows:
-            raise RowBufferCapacityError(
-                f"request holds {need} uncommitted rows, more than the bound of "
-                f"{self.max_rows}; block hashes are not arriving to commit them"
-            )
-        if need > self._rows.shape[0]:
-            cap = min(self.max_rows, max(need, 2 * self._rows.shape[0]))
-            grown = np.empty((cap, *self.spec.row_shape), self.spec.dtype)
-            grown[: self._len] = self._rows[: self._len]
-            self._rows = grown
-        self._rows[self._len : need] = rows
-        self._len = need
-
-    def truncate(self, end: int) -> None:
-        """Drop rows at and after ``end`` (rejected suffix)."""
-        if end < self._base:
+        if start < self.committed:
             raise RowOverlapError(
-                f"cannot truncate to row {end}: rows up to {self._base} are "
-                "already committed"
+                f"rows for tokens from {start} overlap rows up to "
+                f"{self.committed} that are already being published"
             )
-        self._len = min(self._len, end - self._base)
+        self._truncate(start)
+        bs = self.slab.block_size
+        pieces = []
+        pos, end = start, start + num_rows
+        while pos < end:
+            page_idx, off = divmod(pos - self.committed, bs)
+            if page_idx == len(self._pages):
+                self._pages.append(self.slab.alloc(PAGE_WAIT_S))
+                self._versions.append(weight_version)
+            take = min(bs - off, end - pos)
+            pieces.append((self._pages[page_idx], off, take))
+            pos += take
+        self.end = end
+        return pieces
 
-    def ready_blocks(self, limit_row: int | None = None) -> tuple[int, np.ndarray]:
-        """Full blocks held from ``committed``, ending at or before
-        ``limit_row`` (e.g. rows whose block hashes are known). Returns the
-        first row and a read-only *view* ``[k * block_size, L, K]``; call
-        :meth:`release` after publishing."""
-        end = self.end if limit_row is None else min(self.end, limit_row)
-        k = max(0, (end - self._base) // self.block_size)
-        view = self._rows[: k * self.block_size]
-        view.flags.writeable = False
-        return self._base, view
+    def _truncate(self, end: int) -> None:
+        keep = -(-(end - self.committed) // self.slab.block_size)
+        while len(self._pages) > keep:
+            self.slab.free(self._pages.pop())
+            self._versions.pop()
+        self.end = end
 
-    def rows(self, start: int, end: int) -> np.ndarray:
-        """A view of held rows ``[start, end)``."""
-        if start < self._base or end > self.end or start > end:
-            raise RowGapError(
-                f"rows [{start}, {end}) are not held (held [{self._base}, {self.end}))"
-            )
-        view = self._rows[start - self._base : end - self._base]
-        view.flags.writeable = False
-        return view
+    def has_full_block(self) -> bool:
+        return self.end - self.committed >= self.slab.block_size
 
-    def release(self, upto_row: int) -> None:
-        """Forget rows below ``upto_row`` (a block boundary, after they were
-        published)."""
-        if upto_row % self.block_size and upto_row != self.end:
-            raise RowOverlapError(f"release point {upto_row} is not block aligned")
-        if upto_row < self._base or upto_row > self.end:
-            raise RowGapError(
-                f"cannot release up to row {upto_row}: held rows are "
-                f"[{self._base}, {self.end})"
-            )
-        k = upto_row - self._base
-        rem = self._len - k
-        self._rows.flags.writeable = True
-        if rem and k:
-            self._rows[:rem] = self._rows[k : k + rem].copy()
-        self._base = upto_row
-        self._len = rem
+    def take_block(self) -> tuple[int, int, str]:
+        """Hand the first full page to publication: ``(first row, page,
+        weight version)``. The caller returns the page to the slab."""
+        if not self.has_full_block():
+            raise RowGapError(f"no full block held at row {self.committed}")
+        row = self.committed
+        self.committed += self.slab.block_size
+        return row, self._pages.pop(0), self._versions.pop(0)
 
-    def finalize(self, num_rows: int) -> tuple[int, np.ndarray]:
-        """Cut the buffer at the request's final row count and return
-        ``(first_row, rows)`` still to publish (full blocks plus tail)."""
-        if num_rows < self._base:
-            raise RowOverlapError(
-                f"request finalised at {num_rows} rows but {self._base} rows are "
-                "already committed"
-            )
+    def take_tail(self, num_rows: int) -> tuple[int, int, int, str] | None:
+        """Cut the attempt at ``num_rows`` (dropping rows past it) and hand
+        over the partial last page: ``(first row, page, rows, weight
+        version)``, or ``None`` when ``num_rows`` is on the committed
+        boundary. Full blocks must have been taken first."""
         if num_rows > self.end:
             raise RowGapError(
                 f"request finalised at {num_rows} rows but rows end at {self.end}"
             )
-        self._len = num_rows - self._base
-        return self._base, self.rows(self._base, num_rows)
+        if num_rows < self.committed:
+            raise RowOverlapError(
+                f"request finalised at {num_rows} rows but {self.committed} rows "
+                "are already published"
+            )
+        if num_rows - self.committed >= self.slab.block_size:
+            raise RowGapError("take the full blocks before the tail")
+        self._truncate(num_rows)
+        if num_rows == self.committed:
+            return None
+        row = self.committed
+        self.committed = num_rows
+        page, version = self._pages.pop(0), self._versions.pop(0)
+        return row, page, num_rows - row, version
+
+    def drop(self) -> None:
+        """Return every page (abandoned or discarded attempt)."""
+        for page in self._pages:
+            self.slab.free(page)
+        self._pages.clear()
+        self._versions.clear()
+        self.end = self.committed

@@ -1,0 +1,526 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Worker-side publication, off the step loop (global rank 0 only).
+
+The engine's thread feeds :class:`ArtifactPublisher` with the scheduler's
+messages (:meth:`~ArtifactPublisher.apply`) and each step's captured rows
+(:meth:`~ArtifactPublisher.write_step`), then calls
+:meth:`~ArtifactPublisher.flush` once per step. ``flush`` collects what the
+step made publishable (full blocks whose hash is known, finalisations whose
+rows have all arrived) into one work item and hands it to the publication
+thread through a bounded queue; it returns at once unless the queue is full
+(back-pressure). The thread publishes a work item with one ``put_batch``
+(one arena write, one index append), then produces the acknowledgements;
+items run in order, so a request's blocks are always in the store before
+its acknowledgement. The engine's thread collects acknowledgements,
+progress and failures with :meth:`~ArtifactPublisher.report`.
+
+Retention: an attempt retains the objects of its prefix hit when it starts
+(keys a sibling has not published yet included) and everything it
+publishes, until the scheduler releases it after reading the
+acknowledgement, or until it is discarded or fails.
+
+A failure in the thread fails exactly the attempts of the work item it hit
+(:class:`~.protocol.AttemptFailed` with the error's type and message);
+nothing is retained for them afterwards and none of their later work runs.
+When the thread is idle it runs the store's upkeep (spare arena, log
+compaction, collection of stale stores).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm.distributed.artifact_connector.buffer import AttemptRows, RowSlab
+from vllm.distributed.artifact_connector.protocol import (
+    Abort,
+    ArtifactSchedulerMeta,
+    ArtifactWorkerReport,
+    AttemptFailed,
+    CommitProgress,
+    Finalize,
+    FinalizeAck,
+    PublishedRef,
+)
+from vllm.distributed.artifact_connector.request_core import (
+    CoverageError,
+    KeySpace,
+    RowSpec,
+    encode_objects,
+)
+from vllm.distributed.artifact_connector.store import (
+    ArtifactError,
+    ObjectMissingError,
+    ObjectStoreWriter,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+AttemptId = tuple[str, int]
+
+
+class WeightVersionMismatchError(ArtifactError):
+    """A prefix-cache hit landed on blocks computed under other weights."""
+
+
+class PublisherClosedError(ArtifactError):
+    """The publication thread stopped (closed, or died of an error)."""
+
+
+def _owner(aid: AttemptId) -> str:
+    return f"{aid[0]}#{aid[1]}"
+
+
+@dataclass
+class _Attempt:
+    """Engine-thread state of one attempt."""
+
+    rows: AttemptRows
+    hashes: dict[int, bytes] = field(default_factory=dict)
+    finalize: Finalize | None = None
+    finalize_waits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Object:
+    """One object to publish: rows of page ``page`` of the slab."""
+
+    aid: AttemptId
+    start: int
+    num_rows: int
+    page: int
+    block_hash: bytes
+    weight_version: str
+    tail: bool
+
+
+@dataclass
+class _Work:
+    """Everything one step hands to the publication thread, in the order it
+    runs: retains, one put of all objects, acknowledgements, releases."""
+
+    starts: list[tuple[AttemptId, str, tuple[bytes, ...]]] = field(default_factory=list)
+    objects: list[_Object] = field(default_factory=list)
+    finalizes: list[Finalize] = field(default_factory=list)
+    releases: list[AttemptId] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.starts or self.objects or self.finalizes or self.releases)
+
+
+class ArtifactPublisher:
+    """See the module docs. Owns ``writer`` and closes it."""
+
+    def __init__(
+        self,
+        writer: ObjectStoreWriter,
+        spec: RowSpec,
+        slab: RowSlab,
+        keyspace: KeySpace,
+        *,
+        weight_version: str = "0",
+        max_queued_steps: int = 4,
+        finalize_wait_steps: int = 4,
+        idle_upkeep_s: float = 0.05,
+    ) -> None:
+        self.spec = spec
+        self.slab = slab
+        self.block_size = slab.block_size
+        self._writer = writer
+        self._keys = keyspace
+        self._weight_version = weight_version
+        self._versions_seen = [weight_version]
+        self._finalize_wait_steps = finalize_wait_steps
+        self._idle_upkeep_s = idle_upkeep_s
+        # Engine thread.
+        self._attempts: dict[AttemptId, _Attempt] = {}
+        self._dirty: set[AttemptId] = set()
+        self._work = _Work()
+        self._results: collections.deque[
+            CommitProgress | FinalizeAck | AttemptFailed
+        ] = collections.deque()
+        # Publication thread.
+        self._own_refs: dict[AttemptId, list[PublishedRef]] = {}
+        self._prefix: dict[AttemptId, list[str]] = {}
+        self._prefix_versions: dict[AttemptId, tuple[str, tuple[bytes, ...]]] = {}
+        self._failed: set[AttemptId] = set()
+        self._queue: queue.Queue[_Work | None] = queue.Queue(maxsize=max_queued_steps)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name="artifact-publisher", daemon=True
+        )
+        self._thread.start()
+
+    # ================================================================ engine
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def set_weight_version(self, version: str) -> None:
+        """Rows written from now on were computed under ``version``."""
+        self._weight_version = version
+        if version not in self._versions_seen:
+            self._versions_seen.append(version)
+
+    def apply(self, meta: ArtifactSchedulerMeta) -> None:
+        """Take one step's scheduler messages."""
+        work = self._work
+        for s in meta.starts:
+            aid = (s.req_id, s.attempt)
+            self._attempts[aid] = _Attempt(AttemptRows(self.slab, s.cached_rows))
+            if s.prefix_hashes:
+                if len(s.prefix_hashes) * self.block_size != s.cached_rows:
+                    self._fail_here(
+                        aid,
+                        CoverageError(
+                            f"{len(s.prefix_hashes)} prefix hashes for "
+                            f"{s.cached_rows} cached rows"
+                        ),
+                    )
+                    continue
+            work.starts.append((aid, self._weight_version, s.prefix_hashes))
+        for h in meta.hashes:
+            att = self._attempts.get((h.req_id, h.attempt))
+            if att is not None:
+                for i, bh in enumerate(h.hashes):
+                    att.hashes[h.first_block + i] = bh
+                self._dirty.add((h.req_id, h.attempt))
+        for d in meta.discards:
+            aid = (d.req_id, d.attempt)
+            att = self._attempts.pop(aid, None)
+            if att is not None:
+                att.rows.drop()
+            self._dirty.discard(aid)
+            work.releases.append(aid)
+        for f in meta.finalizes:
+            aid = (f.req_id, f.attempt)
+            att = self._attempts.get(aid)
+            if att is not None:
+                att.finalize = f
+                self._dirty.add(aid)
+        for r in meta.releases:
+            work.releases.append((r.req_id, r.attempt))
+
+    def write_step(
+        self,
+        attempts: list[AttemptId],
+        starts: list[int],
+        counts: list[int],
+        rows: np.ndarray,
+    ) -> None:
+        """One step's captured rows: ``rows`` (``[sum(counts), L, K]``) holds
+        ``counts[i]`` rows for tokens ``[starts[i], starts[i] + counts[i])``
+        of ``attempts[i]``, in that order. Rows of unknown (finished,
+        failed) attempts are ignored."""
+        spec = self.spec
+        if rows.dtype != spec.dtype or rows.shape[1:] != spec.row_shape:
+            raise ArtifactError(
+                f"captured rows must be [n, {spec.num_layers}, {spec.top_k}] "
+                f"{spec.dtype}, got {list(rows.shape)} {rows.dtype}"
+            )
+        dst: list[int] = []
+        src: list[int] = []
+        bs = self.block_size
+        version = self._weight_version
+        lo = 0
+        for aid, start, n in zip(attempts, starts, counts):
+            att = self._attempts.get(aid)
+            if att is not None and n:
+                try:
+                    pieces = att.rows.place(start, n, version)
+                except ArtifactError as e:
+                    self._fail_here(aid, e)
+                    lo += n
+                    continue
+                i = lo
+                for page, off, take in pieces:
+                    base = page * bs + off
+                    dst.extend(range(base, base + take))
+                    src.extend(range(i, i + take))
+                    i += take
+                self._dirty.add(aid)
+            lo += n
+        if lo != rows.shape[0]:
+            raise ArtifactError(f"counts add up to {lo} rows, got {rows.shape[0]}")
+        if dst:
+            flat = self.slab.pages.reshape(-1, *spec.row_shape)
+            flat[np.array(dst)] = rows[np.array(src)]
+
+    def flush(self) -> None:
+        """Hand what this step made publishable to the publication thread."""
+        self._check_thread()
+        work = self._work
+        for aid in list(self._dirty):
+            att = self._attempts.get(aid)
+            if att is None:
+                self._dirty.discard(aid)
+                continue
+            try:
+                self._collect(aid, att, work)
+            except ArtifactError as e:
+                self._fail_here(aid, e)
+        if work:
+            self._work = _Work()
+            self._queue.put(work)
+
+    def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> None:
+        rows, bs = att.rows, self.block_size
+        while rows.has_full_block():
+            h = att.hashes.get(rows.committed // bs)
+            if h is None:
+                break
+            start, page, version = rows.take_block()
+            work.objects.append(_Object(aid, start, bs, page, h, version, False))
+        fin = att.finalize
+        if fin is None:
+            if not rows.has_full_block():
+                self._dirty.discard(aid)
+            return
+        if rows.end < fin.num_rows:
+            att.finalize_waits += 1
+            if att.finalize_waits > self._finalize_wait_steps:
+                raise CoverageError(
+                    f"rows for tokens [{rows.end}, {fin.num_rows}) never arrived "
+                    f"({att.finalize_waits - 1} steps after the request ended)"
+                )
+            return
+        if fin.num_rows - rows.committed >= bs:
+            raise CoverageError(
+                f"block {rows.committed // bs} of request {aid[0]} has no hash; "
+                "the scheduler must send every full block's hash before finalize"
+            )
+        tail = rows.take_tail(fin.num_rows)
+        if tail is not None:
+            start, page, n, version = tail
+            if fin.tail_hash is None:
+                raise CoverageError(f"a {n}-row tail at row {start} but no tail hash")
+            work.objects.append(_Object(aid, start, n, page, fin.tail_hash, version, True))
+        elif fin.tail_hash is not None:
+            raise CoverageError("a tail hash for rows that end on a block boundary")
+        work.finalizes.append(fin)
+        del self._attempts[aid]
+        self._dirty.discard(aid)
+
+    def _fail_here(self, aid: AttemptId, error: BaseException) -> None:
+        """Fail an attempt on the engine's thread: drop its rows, report,
+        and let the thread release what it retained."""
+        att = self._attempts.pop(aid, None)
+        if att is not None:
+            att.rows.drop()
+        self._dirty.discard(aid)
+        self._results.append(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
+        self._work.releases.append(aid)
+
+    def report(self) -> ArtifactWorkerReport:
+        """Acknowledgements, progress and failures produced so far."""
+        progress, acks, failures = [], [], []
+        res = self._results
+        while res:
+            item = res.popleft()
+            if isinstance(item, FinalizeAck):
+                acks.append(item)
+            elif isinstance(item, AttemptFailed):
+                failures.append(item)
+                # Failed in the thread: stop taking this attempt's rows.
+                aid = (item.req_id, item.attempt)
+                att = self._attempts.pop(aid, None)
+                if att is not None:
+                    att.rows.drop()
+                    self._dirty.discard(aid)
+                    self._work.releases.append(aid)
+            else:
+                progress.append(item)
+        return ArtifactWorkerReport(tuple(progress), tuple(acks), tuple(failures))
+
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Block until every work item handed over so far is done (tests,
+        shutdown)."""
+        self._check_thread()
+        with self._queue.all_tasks_done:
+            if not self._queue.all_tasks_done.wait_for(
+                lambda: self._queue.unfinished_tasks == 0, timeout_s
+            ):
+                raise TimeoutError("artifact publication did not finish in time")
+
+    def _check_thread(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise PublisherClosedError(
+                "the artifact publication thread is not running"
+                + (f": it died of {self._error!r}" if self._error else "")
+            )
+
+    def close(self) -> None:
+        """Finish the queued work, stop the thread, close the store."""
+        if self._closed:
+            return
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._closed = True
+        self._writer.close()
+
+    # ================================================================ thread
+    def _run(self) -> None:
+        q = self._queue
+        try:
+            while True:
+                try:
+                    work = q.get(timeout=self._idle_upkeep_s)
+                except queue.Empty:
+                    self._upkeep()
+                    continue
+                try:
+                    if work is None:
+                        return
+                    self._process(work)
+                finally:
+                    q.task_done()
+        except BaseException as e:  # pragma: no cover - a bug; reported loudly
+            self._error = e
+            logger.exception("artifact publication thread died")
+
+    def _upkeep(self) -> None:
+        try:
+            self._writer.maintain()
+        except (ArtifactError, OSError) as e:
+            logger.warning("artifact store upkeep failed: %s", e)
+
+    def _process(self, work: _Work) -> None:
+        for aid, version, prefix_hashes in work.starts:
+            self._prefix_versions[aid] = (version, prefix_hashes)
+            keys = [self._keys.key(version, h, self.block_size, tail=False) for h in prefix_hashes]
+            self._prefix[aid] = keys
+            self._own_refs[aid] = []
+            self._writer.retain(_owner(aid), keys)
+        objects = [o for o in work.objects if o.aid not in self._failed]
+        for o in work.objects:
+            if o.aid in self._failed:
+                self.slab.free_later(o.page)
+        if objects:
+            self._publish(objects)
+        for fin in work.finalizes:
+            aid = (fin.req_id, fin.attempt)
+            if aid in self._failed:
+                self._forget(aid)
+                continue
+            try:
+                ack = self._acknowledge(aid, fin)
+            except ArtifactError as e:
+                self._fail_in_thread([aid], e)
+                continue
+            self._results.append(ack)
+        for aid in work.releases:
+            self._forget(aid)
+
+    def _publish(self, objects: list[_Object]) -> None:
+        keys = [
+            self._keys.key(o.weight_version, o.block_hash, o.num_rows, tail=o.tail)
+            for o in objects
+        ]
+        pages = self.slab.pages
+        rows = [pages[o.page, : o.num_rows] for o in objects]
+        lengths = np.array([self.spec.object_nbytes(o.num_rows) for o in objects], np.int64)
+        try:
+            result = self._writer.put_batch(
+                keys,
+                lengths,
+                lambda buf: encode_objects(
+                    self.spec,
+                    keys,
+                    [o.start for o in objects],
+                    rows,
+                    buf,
+                    tails=[o.tail for o in objects],
+                ),
+            )
+        except (ArtifactError, OSError) as e:
+            self._fail_in_thread(list(dict.fromkeys(o.aid for o in objects)), e)
+            return
+        finally:
+            for o in objects:
+                self.slab.free_later(o.page)
+        published: dict[AttemptId, list[str]] = {}
+        for o, ref in zip(objects, result.refs):
+            published.setdefault(o.aid, []).append(ref.key)
+            self._own_refs[o.aid].append(
+                PublishedRef(ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
+            )
+        for aid, keys in published.items():
+            self._writer.retain(_owner(aid), keys)
+            self._results.append(
+                CommitProgress(aid[0], aid[1], self._own_refs[aid][-1].start + self._own_refs[aid][-1].num_rows)
+            )
+
+    def _acknowledge(self, aid: AttemptId, fin: Finalize) -> FinalizeAck:
+        version, prefix_hashes = self._prefix_versions[aid]
+        prefix_keys = self._prefix[aid]
+        found = self._writer.lookup(prefix_keys)
+        refs = []
+        for b, (key, ref) in enumerate(zip(prefix_keys, found)):
+            if ref is None:
+                raise self._prefix_miss(b, key, version, prefix_hashes[b])
+            refs.append(
+                PublishedRef(key, b * self.block_size, self.block_size, ref.checksum, version)
+            )
+        refs.extend(self._own_refs[aid])
+        pos = 0
+        for r in refs:
+            if r.start != pos:
+                raise CoverageError(
+                    f"request {aid[0]}'s objects have a gap or overlap at row {pos}"
+                )
+            pos += r.num_rows
+        if pos != fin.num_rows:
+            raise CoverageError(
+                f"request {aid[0]}'s objects cover {pos} rows, it has {fin.num_rows}"
+            )
+        return FinalizeAck(
+            fin.req_id, fin.attempt, fin.num_rows, tuple(refs), isinstance(fin, Abort)
+        )
+
+    def _prefix_miss(
+        self, block: int, key: str, version: str, block_hash: bytes
+    ) -> ArtifactError:
+        """The error for a prefix-hit block whose object is missing: a
+        weight-version mismatch when the block exists under other weights."""
+        for other in self._versions_seen:
+            if other == version:
+                continue
+            k = self._keys.key(other, block_hash, self.block_size, tail=False)
+            if self._writer.lookup([k])[0] is not None:
+                return WeightVersionMismatchError(
+                    f"prefix-cache hit on block {block}, computed under weight "
+                    f"version {other!r}, while the engine runs version "
+                    f"{version!r}: routes of other weights are never returned. "
+                    "Reset the prefix cache when you update weights "
+                    "(LLM.reset_prefix_cache(), or POST /reset_prefix_cache)."
+                )
+        return ObjectMissingError(
+            f"the routes of prefix-cache block {block} (object {key}) are not in "
+            "the artifact store: evicted or never published"
+        )
+
+    def _fail_in_thread(self, aids: list[AttemptId], error: BaseException) -> None:
+        logger.warning("artifact publication failed for %d request(s): %s", len(aids), error)
+        for aid in aids:
+            if aid in self._failed:
+                continue
+            self._failed.add(aid)
+            self._writer.release(_owner(aid))
+            self._results.append(
+                AttemptFailed(aid[0], aid[1], type(error).__name__, str(error))
+            )
+
+    def _forget(self, aid: AttemptId) -> None:
+        self._writer.release(_owner(aid))
+        self._own_refs.pop(aid, None)
+        self._prefix.pop(aid, None)
+        self._prefix_versions.pop(aid, None)
+        self._failed.discard(aid)

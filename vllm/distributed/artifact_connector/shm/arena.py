@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Arena files of a ``/dev/shm`` store: append-only object data.
+
+The writer creates an arena with its full size allocated up front
+(``posix_fallocate``: a write through the mapping can then never hit a full
+``/dev/shm`` and die of SIGBUS) and maps it with ``MAP_POPULATE`` (page
+faults are paid once, when the arena is prepared, not inside a put).
+Readers map arenas read-only. Arenas are never truncated or rewritten: an
+evicted arena is unlinked, and a reader that still maps it keeps reading
+the bytes its index describes until it sees the ``RETIRE`` record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+
+import numpy as np
+
+from vllm.distributed.artifact_connector.store import (
+    StoreCapacityError,
+    StoreIOError,
+    UnsafeStoreError,
+)
+from vllm.distributed.safe_fs import open_private_file
+
+ALIGN = 64  # objects and batches start on cache-line boundaries
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def arena_name(aid: int) -> str:
+    return f"{aid:016x}.arena"
+
+
+class Arena:
+    """One mapped arena. ``arr`` is the mapping as uint8, ``mv`` as a
+    memoryview (slicing an ``mmap`` object would copy)."""
+
+    __slots__ = ("aid", "size", "fill", "_mm", "mv", "arr")
+
+    def __init__(self, aid: int, mm: mmap.mmap, size: int) -> None:
+        self.aid = aid
+        self.size = size
+        self.fill = 0  # writer: bytes handed out so far
+        self._mm = mm
+        self.mv = memoryview(mm)
+        self.arr = np.frombuffer(mm, np.uint8)
+
+    @classmethod
+    def create(cls, ns_fd: int, aid: int, size: int) -> Arena:
+        """Writer: create, allocate and map arena ``aid`` (read-write).
+        Raises :class:`StoreCapacityError` if ``/dev/shm`` is full."""
+        name = arena_name(aid)
+        fd = open_private_file(
+            name,
+            ns_fd,
+            os.O_RDWR | os.O_CREAT | os.O_EXCL,
+            "artifact arena",
+            error=UnsafeStoreError,
+        )
+        try:
+            os.posix_fallocate(fd, 0, size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=ns_fd)
+            raise StoreCapacityError(
+                f"allocating a {size}-byte artifact arena failed ({e}); "
+                "/dev/shm may be full: free space there or lower the "
+                "artifact store capacity"
+            ) from e
+        finally:
+            os.close(fd)
+        return cls(aid, mm, size)
+
+    @classmethod
+    def open_readonly(cls, ns_fd: int, aid: int) -> Arena:
+        """Reader: map an existing arena read-only. ``FileNotFoundError``
+        when it was evicted meanwhile (the log then says where its objects
+        went)."""
+        fd = open_private_file(
+            arena_name(aid), ns_fd, os.O_RDONLY, "artifact arena", error=UnsafeStoreError
+        )
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise StoreIOError(f"artifact arena {aid:016x} is empty")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(aid, mm, size)
+
+    def reserve(self, nbytes: int) -> int | None:
+        """Writer: offset of ``nbytes`` of fresh space, ``None`` if full."""
+        off = align(self.fill)
+        if off + nbytes > self.size:
+            return None
+        self.fill = off + nbytes
+        return off
+
+    def close(self) -> None:
+        self.arr = np.zeros(0, np.uint8)
+        with contextlib.suppress(BufferError):
+            self.mv.release()
+        # A view still alive: the mapping goes when it is collected.
+        with contextlib.suppress(BufferError):
+            self._mm.close()

@@ -1,0 +1,228 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The in-memory index of a ``/dev/shm`` store: where each object version
+lives. The writer keeps the authoritative one; each reader rebuilds its own
+from the index log.
+
+A version lives in a *slot*: one entry of parallel numpy arrays (arena id,
+offset, length, checksum, raw key). ``current`` maps a key to the slot of
+its current version; ``older`` holds the slots of a key's other versions,
+which exist only after a divergence (rare). Keeping locations in arrays
+rather than one Python object per version keeps a store of millions of
+objects at about 100 bytes of index per object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from vllm.distributed.artifact_connector.shm import log
+from vllm.distributed.artifact_connector.store import KEY_HEX_LEN
+
+
+class Index:
+    def __init__(self) -> None:
+        self.current: dict[str, int] = {}
+        self.older: dict[str, list[int]] = {}
+        self.arena = np.zeros(0, np.int64)
+        self.off = np.zeros(0, np.int64)
+        self.length = np.zeros(0, np.int64)
+        self.cs = np.zeros(0, np.uint64)
+        self.key_raw = np.zeros(0, "V32")
+        self.live = np.zeros(0, np.bool_)
+        self._free: list[int] = []
+        self._top = 0
+        self.num_versions = 0
+
+    # ------------------------------------------------------------ slots
+    def _alloc(self, n: int) -> np.ndarray:
+        reuse = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        fresh = n - len(reuse)
+        if self._top + fresh > self.arena.shape[0]:
+            cap = max(1024, 2 * self.arena.shape[0], self._top + fresh)
+            for name in ("arena", "off", "length", "cs", "key_raw", "live"):
+                old = getattr(self, name)
+                grown = np.zeros(cap, old.dtype)
+                grown[: old.shape[0]] = old
+                setattr(self, name, grown)
+        slots = np.concatenate(
+            (np.array(reuse, np.int64), np.arange(self._top, self._top + fresh))
+        ).astype(np.int64)
+        self._top += fresh
+        self.live[slots] = True
+        self.num_versions += n
+        return slots
+
+    def _free_slot(self, slot: int) -> None:
+        self.live[slot] = False
+        self._free.append(slot)
+        self.num_versions -= 1
+
+    def find(self, key: str, cs: int) -> int | None:
+        """Slot of version ``cs`` of ``key``."""
+        s = self.current.get(key)
+        if s is not None and int(self.cs[s]) == cs:
+            return s
+        for s in self.older.get(key, ()):
+            if int(self.cs[s]) == cs:
+                return s
+        return None
+
+    def has_key(self, key: str) -> bool:
+        return key in self.current or key in self.older
+
+    def versions(self, key: str) -> list[int]:
+        cur = self.current.get(key)
+        return ([cur] if cur is not None else []) + self.older.get(key, [])
+
+    # ------------------------------------------------------------ updates
+    def put(
+        self,
+        keys: list[str],
+        keys_raw: bytes,
+        arena: np.ndarray | int,
+        off: np.ndarray,
+        length: np.ndarray,
+        cs: np.ndarray,
+        *,
+        current: bool = True,
+    ) -> None:
+        """Add versions; with ``current`` each becomes its key's current
+        version (an existing identical version is reused, a previous
+        current one becomes older)."""
+        if (
+            current
+            and self.current.keys().isdisjoint(keys)
+            and self.older.keys().isdisjoint(keys)
+            and len(set(keys)) == len(keys)
+        ):
+            # The common case, vectorised: distinct keys that are all new.
+            slots = self._alloc(len(keys))
+            self.arena[slots] = arena
+            self.off[slots] = off
+            self.length[slots] = length
+            self.cs[slots] = cs
+            self.key_raw[slots] = np.frombuffer(keys_raw, "V32")
+            self.current.update(zip(keys, slots.tolist()))
+            return
+        arenas = np.broadcast_to(np.asarray(arena, np.int64), (len(keys),))
+        for i, key in enumerate(keys):
+            c = int(cs[i])
+            s = self.find(key, c)
+            if s is None:
+                s = int(self._alloc(1)[0])
+                self.cs[s] = c
+                self.key_raw[s] = keys_raw[32 * i : 32 * i + 32]
+            else:
+                self._unlink(key, s)
+            self.arena[s], self.off[s], self.length[s] = arenas[i], off[i], length[i]
+            if current:
+                prev = self.current.get(key)
+                if prev is not None:
+                    self.older.setdefault(key, []).append(prev)
+                self.current[key] = s
+            else:
+                self.older.setdefault(key, []).append(s)
+
+    def _unlink(self, key: str, slot: int) -> None:
+        """Detach ``slot`` from ``key``'s versions (the slot stays live)."""
+        if self.current.get(key) == slot:
+            del self.current[key]
+            return
+        rest = self.older.get(key, [])
+        if slot in rest:
+            rest.remove(slot)
+            if not rest:
+                del self.older[key]
+
+    def move(self, slot: int, arena: int, off: int) -> None:
+        self.arena[slot], self.off[slot] = arena, off
+
+    def drop(self, key: str, slot: int) -> None:
+        self._unlink(key, slot)
+        self._free_slot(slot)
+
+    def apply(self, recs: np.ndarray) -> list[int]:
+        """Apply log records in order; returns the retired arena ids."""
+        n = recs.shape[0]
+        if n == 0:
+            return []
+        keys_raw = recs["key"].tobytes()
+        hexed = keys_raw.hex()
+        keys = [hexed[i : i + KEY_HEX_LEN] for i in range(0, n * KEY_HEX_LEN, 64)]
+        types = recs["type"]
+        if (types == log.PUT).all():
+            self.put(
+                keys,
+                keys_raw,
+                recs["arena"].astype(np.int64),
+                recs["off"].astype(np.int64),
+                recs["len"].astype(np.int64),
+                recs["cs"].astype(np.uint64),
+            )
+            return []
+        retired = []
+        for i, (rtype, key) in enumerate(zip(types.tolist(), keys)):
+            r = recs[i : i + 1]
+            if rtype in (log.PUT, log.PUT_OLD):
+                self.put(
+                    [key],
+                    keys_raw[32 * i : 32 * i + 32],
+                    int(r["arena"][0]),
+                    r["off"].astype(np.int64),
+                    r["len"].astype(np.int64),
+                    r["cs"].astype(np.uint64),
+                    current=rtype == log.PUT,
+                )
+            elif rtype in (log.MOVE, log.DROP):
+                s = self.find(key, int(r["cs"][0]))
+                if s is None:
+                    continue
+                if rtype == log.MOVE:
+                    self.move(s, int(r["arena"][0]), int(r["off"][0]))
+                else:
+                    self.drop(key, s)
+            elif rtype == log.RETIRE:
+                retired.append(int(r["arena"][0]))
+        return retired
+
+    # ------------------------------------------------------------ queries
+    def slots_of(self, refs: Sequence[tuple[str, int, int]]) -> list[int | None]:
+        """Slot of each exact version ``(key, checksum, ...)``."""
+        cur = self.current
+        out: list[int | None] = []
+        for ref in refs:
+            s = cur.get(ref[0])
+            if s is None or int(self.cs[s]) != ref[1]:
+                s = self.find(ref[0], ref[1])
+            out.append(s)
+        return out
+
+    def live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.live[: self._top])
+
+    def slots_in_arena(self, aid: int) -> np.ndarray:
+        live = self.live_slots()
+        return live[self.arena[live] == aid]
+
+    def key_of(self, slot: int) -> str:
+        return bytes(self.key_raw[slot]).hex()
+
+    def snapshot(self) -> np.ndarray:
+        """Records that rebuild this index: older versions first, then the
+        current ones (a later ``PUT`` makes its version current)."""
+        cur = np.fromiter(self.current.values(), np.int64, len(self.current))
+        old = np.array([s for v in self.older.values() for s in v], np.int64)
+        parts = []
+        for rtype, slots in ((log.PUT_OLD, old), (log.PUT, cur)):
+            recs = np.zeros(slots.shape[0], log.RECORD_DTYPE)
+            recs["type"] = rtype
+            recs["arena"] = self.arena[slots]
+            recs["key"] = self.key_raw[slots]
+            recs["off"] = self.off[slots]
+            recs["len"] = self.length[slots]
+            recs["cs"] = self.cs[slots]
+            parts.append(recs)
+        return np.concatenate(parts)

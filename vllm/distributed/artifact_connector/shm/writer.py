@@ -1,0 +1,575 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The writing side of a ``/dev/shm`` store (one process per namespace).
+
+A put reserves one region of the active arena for the whole batch, lets the
+caller encode the objects straight into it, and appends one index batch
+(see ``log``). The index in memory changes only after the log write
+succeeded, so a failed write (``ENOSPC``) leaves log and index agreeing.
+
+Capacity bounds the arenas (the prepared spare included) plus the index log
+at every point: room is made *before* anything grows, by compacting the log
+or evicting whole arenas oldest first. Objects of retained keys in a victim
+arena are copied into the active arena (``MOVE`` records); the rest are
+dropped (``DROP``); then ``RETIRE`` is logged and the arena unlinked. An
+arena whose retained objects do not fit is skipped.
+
+Slow work runs in :meth:`ShmStoreWriter.maintain`, which the owner calls
+when it is idle (the worker's publication thread between batches): it
+prepares the next arena ahead of need, compacts the log, refreshes the
+writer record and collects stale stores of other writers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from vllm.distributed.artifact_connector.shm import log
+from vllm.distributed.artifact_connector.shm.arena import Arena, align, arena_name
+from vllm.distributed.artifact_connector.shm.collect import (
+    INDEX_FILE,
+    NAMESPACE_RE,
+    WRITER_FILE,
+    WriterIdentity,
+    collect_stale_stores,
+    remove_namespace,
+)
+from vllm.distributed.artifact_connector.shm.index import Index
+from vllm.distributed.artifact_connector.store import (
+    FillFn,
+    ObjectRef,
+    ObjectStoreWriter,
+    PutResult,
+    PutStatus,
+    StoreCapacityError,
+    StoreClosedError,
+    StoreIOError,
+    StoreStats,
+    UnsafeStoreError,
+    checksum,
+    keys_to_bytes,
+)
+from vllm.distributed.safe_fs import (
+    ensure_private_shm_dir,
+    open_private_dir,
+    open_private_file,
+    write_all,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_CAPACITY_BYTES = 8 << 30
+DEFAULT_INACTIVE_TTL_S = 3600.0
+DEFAULT_COLLECT_INTERVAL_S = 300.0
+HEARTBEAT_INTERVAL_S = 10.0
+# Compact when the log is this many times the size of a snapshot.
+_COMPACT_RATIO = 4
+_COMPACT_MIN_BYTES = 1 << 20
+
+
+def _io_error(e: OSError, what: str) -> Exception:
+    """The typed error for a failed write: a full file system is a capacity
+    error, anything else an I/O error."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreCapacityError(
+            f"{what} failed: /dev/shm is full ({e}); free space there or lower "
+            "the artifact store capacity"
+        )
+    return StoreIOError(f"{what} failed: {e}")
+
+
+class ShmStoreWriter(ObjectStoreWriter):
+    """See the module docs. Create with :meth:`create`."""
+
+    def __init__(
+        self,
+        root: str,
+        namespace: str,
+        *,
+        capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+        arena_bytes: int | None = None,
+        inactive_ttl_s: float = DEFAULT_INACTIVE_TTL_S,
+        collect_interval_s: float = DEFAULT_COLLECT_INTERVAL_S,
+    ) -> None:
+        """Create the store ``namespace`` (32 hex characters, fresh) under
+        ``root`` (a directory under ``/dev/shm``, created 0700). Stale
+        stores of other writers under ``root`` are collected first.
+        ``arena_bytes`` defaults to capacity / 16, clamped to [1, 64] MiB."""
+        if capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        if inactive_ttl_s < 0:
+            raise ValueError("inactive_ttl_s must be >= 0")
+        if NAMESPACE_RE.match(namespace) is None:
+            raise UnsafeStoreError(
+                f"artifact namespace must be 32 lowercase hex characters, "
+                f"got {namespace!r:.80}"
+            )
+        self._lock = threading.Lock()
+        self._closed = True
+        self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
+        self._namespace = namespace
+        self._capacity = capacity_bytes
+        self._arena_bytes = align(
+            min(capacity_bytes, arena_bytes or max(1 << 20, min(64 << 20, capacity_bytes // 16)))
+        )
+        self._ttl = inactive_ttl_s
+        self._collect_interval = collect_interval_s
+        self._index = Index()
+        self._arenas: dict[int, Arena] = {}
+        self._active: Arena | None = None
+        self._spare: Arena | None = None
+        self._next_id = 1  # arena ids and snapshot file ids
+        self._retain_count: dict[str, int] = {}
+        self._owners: dict[str, set[str]] = {}
+        self._counts = {
+            "puts_written": 0,
+            "puts_identical": 0,
+            "divergences": 0,
+            "evicted_objects": 0,
+            "relocated_objects": 0,
+            "arenas_started": 0,
+            "arenas_started_on_demand": 0,
+            "log_compactions": 0,
+            "stores_collected": 0,
+        }
+        self._root_fd = self._ns_fd = self._log_fd = self._writer_fd = -1
+        self._last_collect = 0.0
+        self._collect(force=True)
+        self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
+        try:
+            try:
+                os.mkdir(namespace, 0o700, dir_fd=self._root_fd)
+            except FileExistsError as e:
+                raise UnsafeStoreError(
+                    f"artifact namespace {namespace} already exists under "
+                    f"{self._root}; namespaces are per engine instance and fresh"
+                ) from e
+            self._ns_fd = open_private_dir(
+                namespace, dir_fd=self._root_fd, error=UnsafeStoreError
+            )
+            create = os.O_RDWR | os.O_CREAT | os.O_EXCL
+            self._writer_fd = open_private_file(
+                WRITER_FILE, self._ns_fd, create, "writer record", error=UnsafeStoreError
+            )
+            write_all(self._writer_fd, [WriterIdentity.current().to_json()], 0)
+            self._log_fd = open_private_file(
+                INDEX_FILE, self._ns_fd, create, "index log", error=UnsafeStoreError
+            )
+            self._log_size = write_all(self._log_fd, [log.header_bytes()], 0)
+        except OSError as e:
+            self._closed = False
+            self.close()
+            raise _io_error(e, f"creating artifact store {namespace}") from e
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+        self._last_heartbeat = time.monotonic()
+        self._closed = False
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"artifact store {self._namespace} is closed")
+
+    def _used(self) -> int:
+        return sum(a.size for a in self._arenas.values()) + self._log_size
+
+    # ------------------------------------------------------------ put
+    def put_batch(
+        self,
+        keys: Sequence[str],
+        lengths: np.ndarray,
+        fill: FillFn,
+        *,
+        owner: str | None = None,
+    ) -> PutResult:
+        """See :meth:`ObjectStoreWriter.put_batch`. Identical re-puts write
+        nothing (that version becomes current again); different bytes under
+        an existing key become a new current version, counted in
+        ``stats().divergences``."""
+        with self._lock:
+            self._check_open()
+            n = len(keys)
+            if n == 0:
+                return PutResult((), ())
+            keys = list(keys)
+            keys_raw = keys_to_bytes(keys)
+            lens = np.asarray(lengths, np.int64)
+            if lens.shape != (n,) or (lens <= 0).any():
+                raise ValueError("lengths must be one positive int per key")
+            total = int(lens.sum())
+            log_bytes = log.BATCH_HEADER.size + n * log.RECORD_NBYTES
+            arena, base = self._reserve(total, log_bytes)
+            region = arena.arr[base : base + total]
+            offs = np.zeros(n, np.int64)
+            np.cumsum(lens[:-1], out=offs[1:])
+            sums = fill(region)
+            if sums is None:
+                mv = region.data
+                sums = np.fromiter(
+                    (checksum(mv[o : o + ln]) for o, ln in zip(offs.tolist(), lens.tolist())),
+                    np.uint64,
+                    n,
+                )
+            cs = np.asarray(sums, np.uint64)
+            if cs.shape != (n,):
+                raise ValueError("fill must return one checksum per object")
+            locs = np.full(n, arena.aid, np.int64)
+            offs += base
+            statuses = self._classify(keys, cs, locs, offs, lens)
+            self._append_log(log.records(log.PUT, keys_raw, locs, offs, lens, cs))
+            self._index.put(keys, keys_raw, locs, offs, lens, cs)
+            for s in statuses:
+                self._counts[_STATUS_COUNTER[s]] += 1
+            if owner is not None:
+                self._retain(owner, keys)
+            self._heartbeat()
+            return PutResult(
+                tuple(ObjectRef(k, c, ln) for k, c, ln in zip(keys, cs.tolist(), lens.tolist())),
+                tuple(statuses),
+            )
+
+    def _classify(
+        self,
+        keys: list[str],
+        cs: np.ndarray,
+        locs: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+    ) -> list[PutStatus]:
+        """Status per object. An identical version that exists already is
+        pointed at (``locs``/``offs`` updated; the fresh copy is left
+        unindexed)."""
+        idx = self._index
+        if idx.current.keys().isdisjoint(keys) and idx.older.keys().isdisjoint(keys):
+            if len(set(keys)) == len(keys):
+                return [PutStatus.WRITTEN] * len(keys)
+        statuses = []
+        seen: dict[tuple[str, int], int] = {}
+        for i, key in enumerate(keys):
+            c = int(cs[i])
+            s = idx.find(key, c)
+            if s is not None and self._same_bytes(s, locs[i], offs[i], lens[i]):
+                locs[i], offs[i] = idx.arena[s], idx.off[s]
+                statuses.append(PutStatus.IDENTICAL)
+            elif (key, c) in seen:  # repeated within the batch
+                j = seen[(key, c)]
+                locs[i], offs[i] = locs[j], offs[j]
+                statuses.append(PutStatus.IDENTICAL)
+            else:
+                repeated = any(k == key for k, _ in seen)
+                diverged = idx.has_key(key) or repeated
+                statuses.append(PutStatus.DIVERGED if diverged else PutStatus.WRITTEN)
+                seen[(key, c)] = i
+        return statuses
+
+    def _same_bytes(self, slot: int, aid: int, off: int, ln: int) -> bool:
+        idx = self._index
+        if int(idx.length[slot]) != ln:
+            return False
+        old = self._arenas[int(idx.arena[slot])]
+        o = int(idx.off[slot])
+        return bool(np.array_equal(old.arr[o : o + ln], self._arenas[aid].arr[off : off + ln]))
+
+    def _append_log(self, recs: np.ndarray) -> None:
+        data = log.encode_batch(recs)
+        try:
+            write_all(self._log_fd, [data], self._log_size)
+        except OSError as e:
+            raise _io_error(e, "appending to the artifact index log") from e
+        self._log_size += len(data)
+
+    # ------------------------------------------------------------ space
+    def _reserve(self, nbytes: int, log_bytes: int) -> tuple[Arena, int]:
+        """An arena region of ``nbytes`` for a batch whose index records
+        take ``log_bytes``; room for both is made first."""
+        if self._used() + log_bytes > self._capacity:
+            self._make_room(log_bytes)
+        a = self._active
+        off = a.reserve(nbytes) if a is not None else None
+        if a is not None and off is not None:
+            return a, off
+        spare = self._spare
+        if spare is not None and nbytes <= spare.size:
+            self._spare = None
+            self._active = spare
+            return spare, spare.reserve(nbytes) or 0
+        size = max(self._arena_bytes, align(nbytes))
+        self._make_room(size + log_bytes)
+        arena = self._start_arena(size)
+        self._counts["arenas_started_on_demand"] += 1
+        self._active = arena
+        return arena, arena.reserve(nbytes) or 0
+
+    def _start_arena(self, size: int) -> Arena:
+        aid = self._next_id
+        self._next_id += 1
+        arena = Arena.create(self._ns_fd, aid, size)
+        self._arenas[aid] = arena
+        self._counts["arenas_started"] += 1
+        return arena
+
+    def _retained_bytes(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
+        idx = self._index
+        keep = np.fromiter(
+            (idx.key_of(s) in self._retain_count for s in slots.tolist()),
+            np.bool_,
+            slots.shape[0],
+        )
+        return keep, int(idx.length[slots[keep]].sum()) + 64 * int(keep.sum())
+
+    def _make_room(self, need: int) -> None:
+        """Evict (or compact) until ``need`` more bytes fit in capacity."""
+        while self._used() + need > self._capacity:
+            if self._compact_log_if_worthwhile():
+                continue
+            for aid in sorted(self._arenas):
+                arena = self._arenas[aid]
+                if arena is self._active:
+                    continue
+                if arena is self._spare:  # empty: unindexed, unlink directly
+                    self._spare = None
+                    self._unlink_arena(aid)
+                    break
+                if self._evict(aid):
+                    break
+            else:
+                retained = sum(self._retain_count.values())
+                raise StoreCapacityError(
+                    f"artifact store full: {self._used()} of {self._capacity} "
+                    f"bytes in use, {need} more needed, and the rest is held by "
+                    f"{len(self._owners)} live request attempts ({retained} "
+                    "retained objects); raise the artifact capacity or lower "
+                    "the number of concurrent requests"
+                )
+
+    def _evict(self, aid: int) -> bool:
+        """Evict arena ``aid`` if its retained objects fit in the active
+        arena and its records fit in capacity. Computes everything, writes
+        the moved bytes (unindexed until the log says so), appends the log
+        batch, and only then changes the index and unlinks the file."""
+        idx = self._index
+        slots = idx.slots_in_arena(aid)
+        keep, move_bytes = self._retained_bytes(slots)
+        rec_bytes = log.BATCH_HEADER.size + log.RECORD_NBYTES * (slots.shape[0] + 1)
+        if self._used() + rec_bytes > self._capacity:
+            return False
+        moves, drops = slots[keep], slots[~keep]
+        dst = self._active
+        parts = []
+        if moves.shape[0]:
+            if dst is None or align(dst.fill) + move_bytes > dst.size:
+                return False
+            victim = self._arenas[aid]
+            dst_offs = []
+            for s in moves.tolist():
+                o, ln = int(idx.off[s]), int(idx.length[s])
+                d = dst.reserve(ln)
+                if d is None:  # pragma: no cover - room checked above
+                    raise StoreCapacityError("artifact arena space miscounted")
+                dst.arr[d : d + ln] = victim.arr[o : o + ln]
+                dst_offs.append(d)
+            parts.append(
+                log.records(
+                    log.MOVE,
+                    idx.key_raw[moves].tobytes(),
+                    dst.aid,
+                    np.array(dst_offs, np.int64),
+                    idx.length[moves],
+                    idx.cs[moves],
+                )
+            )
+        if drops.shape[0]:
+            parts.append(
+                log.records(log.DROP, idx.key_raw[drops].tobytes(), aid, 0, 0, idx.cs[drops])
+            )
+        parts.append(log.records(log.RETIRE, bytes(32), aid))
+        self._append_log(np.concatenate(parts))
+        if moves.shape[0] and dst is not None:
+            for s, d in zip(moves.tolist(), dst_offs):
+                idx.move(s, dst.aid, d)
+        for s in drops.tolist():
+            idx.drop(idx.key_of(s), s)
+        self._counts["relocated_objects"] += int(moves.shape[0])
+        self._counts["evicted_objects"] += int(drops.shape[0])
+        self._unlink_arena(aid)
+        return True
+
+    def _unlink_arena(self, aid: int) -> None:
+        self._arenas.pop(aid).close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(arena_name(aid), dir_fd=self._ns_fd)
+
+    # ------------------------------------------------------------ log
+    def _compact_log_if_worthwhile(self) -> bool:
+        """Replace the log by a snapshot if it is much larger than one and
+        the snapshot fits in capacity. Returns whether it compacted."""
+        snap_bytes = log.LOG_HEADER.size + (
+            log.BATCH_HEADER.size + log.RECORD_NBYTES * self._index.num_versions
+        )
+        if self._log_size < max(_COMPACT_MIN_BYTES, _COMPACT_RATIO * snap_bytes):
+            return False
+        if self._used() + snap_bytes > self._capacity:
+            return False
+        tmp = f"{self._next_id:016x}.tmp"
+        self._next_id += 1
+        fd = open_private_file(
+            tmp,
+            self._ns_fd,
+            os.O_RDWR | os.O_CREAT | os.O_EXCL,
+            "index snapshot",
+            error=UnsafeStoreError,
+        )
+        try:
+            data = [log.header_bytes(), log.encode_batch(self._index.snapshot())]
+            size = write_all(fd, data, 0)
+            os.rename(tmp, INDEX_FILE, src_dir_fd=self._ns_fd, dst_dir_fd=self._ns_fd)
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._ns_fd)
+            logger.warning("artifact store: log compaction failed: %s", e)
+            return False
+        os.close(self._log_fd)
+        self._log_fd = fd
+        self._log_size = size
+        self._counts["log_compactions"] += 1
+        return True
+
+    # ------------------------------------------------------------ retention
+    def retain(self, owner: str, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._check_open()
+            self._retain(owner, keys)
+
+    def _retain(self, owner: str, keys: Iterable[str]) -> None:
+        held = self._owners.setdefault(owner, set())
+        counts = self._retain_count
+        for key in keys:
+            if key not in held:
+                held.add(key)
+                counts[key] = counts.get(key, 0) + 1
+
+    def release(self, owner: str) -> int:
+        with self._lock:
+            held = self._owners.pop(owner, None)
+            if not held:
+                return 0
+            counts = self._retain_count
+            for key in held:
+                n = counts[key] - 1
+                if n:
+                    counts[key] = n
+                else:
+                    del counts[key]
+            return len(held)
+
+    def lookup(self, keys: Sequence[str]) -> list[ObjectRef | None]:
+        with self._lock:
+            self._check_open()
+            idx = self._index
+            out: list[ObjectRef | None] = []
+            for key in keys:
+                s = idx.current.get(key)
+                out.append(
+                    None
+                    if s is None
+                    else ObjectRef(key, int(idx.cs[s]), int(idx.length[s]))
+                )
+            return out
+
+    # ------------------------------------------------------------ upkeep
+    def maintain(self) -> None:
+        """Slow work, for the owner's idle moments: prepare the next arena,
+        compact the log, refresh the writer record, collect stale stores.
+        Never raises for a full store (the next put reports that)."""
+        with self._lock:
+            self._check_open()
+            self._compact_log_if_worthwhile()
+            if self._spare is None:
+                try:
+                    self._make_room(self._arena_bytes)
+                    self._spare = self._start_arena(self._arena_bytes)
+                except StoreCapacityError as e:
+                    logger.debug("artifact store: no spare arena: %s", e)
+            self._heartbeat()
+        self._collect()
+
+    def _heartbeat(self) -> None:
+        """Refresh the writer record's mtime now and then (the TTL of
+        collectors that cannot check this process's liveness)."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
+            with contextlib.suppress(OSError):
+                os.utime(self._writer_fd)
+            self._last_heartbeat = now
+
+    def _collect(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_collect < self._collect_interval:
+            return
+        self._last_collect = now
+        try:
+            report = collect_stale_stores(
+                self._root, self._ttl, exclude=(self._namespace,)
+            )
+        except OSError as e:  # a neighbour's trouble never fails this store
+            logger.warning("artifact store: collecting stale stores failed: %s", e)
+            return
+        self._counts["stores_collected"] += len(report.removed)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            idx = self._index
+            return StoreStats(
+                objects=idx.num_versions,
+                keys=len(idx.current.keys() | idx.older.keys()),
+                used_bytes=self._used() if not self._closed else 0,
+                capacity_bytes=self._capacity,
+                retained_keys=len(self._retain_count),
+                retainers=len(self._owners),
+                **self._counts,
+            )
+
+    def close(self) -> None:
+        """Unmap, close and remove this store's files."""
+        with self._lock:
+            if self._closed and self._root_fd < 0:
+                return
+            self._closed = True
+            for arena in self._arenas.values():
+                arena.close()
+            self._arenas.clear()
+            self._active = self._spare = None
+            for fd in (self._log_fd, self._writer_fd, self._ns_fd):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._log_fd = self._writer_fd = self._ns_fd = -1
+            if self._root_fd >= 0:
+                remove_namespace(self._root_fd, self._namespace)
+                os.close(self._root_fd)
+                self._root_fd = -1
+
+
+_STATUS_COUNTER = {
+    PutStatus.WRITTEN: "puts_written",
+    PutStatus.IDENTICAL: "puts_identical",
+    PutStatus.DIVERGED: "divergences",
+}

@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Safe file handling for the same-node stores under ``/dev/shm``.
+
+Shared by the artifact store and the host transport. Every directory and
+file is opened relative to a directory descriptor, never through a symlink,
+and checked to be owned by this process's effective user with no
+group/other access (directories 0700, files 0600). Names passed here are
+always names the caller derived itself (hex digests, fixed names), never
+strings from a request.
+
+Each helper takes the exception class to raise on a failed check, so that
+callers surface their own typed error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Sequence
+
+SHM_BASE = "/dev/shm"
+
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_IOV_MAX = 1024
+
+
+class UnsafePathError(RuntimeError):
+    """A path failed a safety check (owner, mode, symlink, type)."""
+
+
+def check_owned(
+    st: os.stat_result,
+    what: str,
+    *,
+    directory: bool,
+    error: type[Exception] = UnsafePathError,
+) -> None:
+    """Raise ``error`` unless ``st`` is a directory (or regular file) owned
+    by this process's effective uid with no group/other permission bits."""
+    uid = os.geteuid()
+    if directory and not stat.S_ISDIR(st.st_mode):
+        raise error(f"{what} is not a directory")
+    if not directory and not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} is not a regular file")
+    if st.st_uid != uid:
+        raise error(
+            f"{what} is owned by uid {st.st_uid}, not by this process's uid "
+            f"{uid}; refusing to use it"
+        )
+    if st.st_mode & 0o077:
+        raise error(
+            f"{what} has mode {stat.S_IMODE(st.st_mode):o}; group/other access "
+            "is not allowed"
+        )
+
+
+def is_symlink(name: str, dir_fd: int | None = None) -> bool:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISLNK(st.st_mode)
+
+
+def open_private_dir(
+    path: str,
+    *,
+    dir_fd: int | None = None,
+    error: type[Exception] = UnsafePathError,
+) -> int:
+    """Open a directory we own (0700) without following a final symlink.
+    Raises ``error`` for a symlink or a failed check, ``OSError`` (e.g.
+    ``FileNotFoundError``) when it cannot be opened."""
+    try:
+        fd = os.open(
+            path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError as e:
+        if is_symlink(path, dir_fd):
+            raise error(f"{path!r} is a symlink; refusing it") from e
+        raise
+    try:
+        check_owned(os.fstat(fd), f"directory {path!r}", directory=True, error=error)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_private_file(
+    name: str,
+    dir_fd: int,
+    flags: int,
+    what: str,
+    *,
+    error: type[Exception] = UnsafePathError,
+) -> int:
+    """Open (or create, mode 0600, with ``O_CREAT`` in ``flags``) a regular
+    file we own inside ``dir_fd`` without following a symlink."""
+    try:
+        fd = os.open(name, flags | O_NOFOLLOW | O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if is_symlink(name, dir_fd):
+            raise error(f"{what} is a symlink; refusing it") from e
+        raise
+    try:
+        check_owned(os.fstat(fd), what, directory=False, error=error)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def shm_subdir(root: str, *, error: type[Exception] = UnsafePathError) -> str:
+    """Canonical form of ``root``, which must be an absolute path strictly
+    under ``/dev/shm`` that passes through no symlink below ``/dev/shm``."""
+    if not isinstance(root, str) or not root or "\x00" in root:
+        raise error(f"invalid shared-memory directory {root!r}")
+    if not os.path.isabs(root):
+        raise error(f"{root!r} must be an absolute path under {SHM_BASE}")
+    base = os.path.realpath(SHM_BASE)
+    rel = os.path.relpath(os.path.normpath(root), SHM_BASE)
+    real = os.path.realpath(root)
+    if (
+        rel == "."
+        or rel.startswith("..")
+        or real != os.path.join(base, rel)
+        or os.path.commonpath([base, real]) != base
+    ):
+        raise error(
+            f"{root!r} (resolves to {real!r}) is not a directory under "
+            f"{SHM_BASE} reached without symlinks; choose e.g. "
+            f"{SHM_BASE}/vllm-artifacts-{os.geteuid()}"
+        )
+    return real
+
+
+def ensure_private_shm_dir(
+    root: str, *, error: type[Exception] = UnsafePathError
+) -> str:
+    """Create ``root`` under ``/dev/shm`` (each missing component 0700) and
+    check every component on the way (created or already there): a
+    directory, not a symlink, owned by us, no group/other access. Returns
+    the canonical path."""
+    real = shm_subdir(root, error=error)
+    base = os.path.realpath(SHM_BASE)
+    parent_fd = os.open(base, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    try:
+        for part in os.path.relpath(real, base).split(os.sep):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o700, dir_fd=parent_fd)
+            fd = open_private_dir(part, dir_fd=parent_fd, error=error)
+            os.close(parent_fd)
+            parent_fd = fd
+    finally:
+        os.close(parent_fd)
+    return real
+
+
+def write_all(fd: int, bufs: Sequence[bytes | bytearray | memoryview], offset: int) -> int:
+    """``pwritev`` all of ``bufs`` at ``offset`` (retrying short writes);
+    returns the number of bytes written."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    total = 0
+    i = 0
+    while i < len(views):
+        chunk = views[i : i + _IOV_MAX]
+        n = os.pwritev(fd, chunk, offset + total)
+        total += n
+        # Skip what was written (a short write leaves part of a view).
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    return total
