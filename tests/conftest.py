@@ -3,14 +3,18 @@
 """Shared test set-up: the CPU harness environment and leak guards.
 
 Every cache and temporary file goes under the repository's ``.cache/``; the
-session fails if the tests leave anything new in ``/dev/shm`` or ``/tmp``.
+session fails if the tests leave anything new in ``/dev/shm`` or ``/tmp``
+that this test session created (other sessions on a shared node create their
+own entries there; those do not count).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,10 +24,13 @@ for sub in ("tools", "tools/cpu_harness"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from harness_env import CACHE, apply_harness_env  # noqa: E402
+from harness_env import CACHE, DIST_FILE_PREFIX, apply_harness_env  # noqa: E402
 
 apply_harness_env(override=True)
 tempfile.tempdir = None  # re-read TMPDIR (now inside .cache/)
+
+
+GUARDED = ("/dev/shm", "/tmp")
 
 
 def _entries(path: str) -> set[str]:
@@ -33,19 +40,114 @@ def _entries(path: str) -> set[str]:
         return set()
 
 
+class SessionFiles:
+    """Which entries of /dev/shm and /tmp this session's processes used.
+
+    A file left behind is attributed to this session when (a) one of its
+    processes (pytest and every descendant: servers, EngineCore, workers) had
+    it open or mapped, sampled from /proc every ``interval`` seconds, or (b)
+    its name carries the pid of one of those processes (``torch_<pid>_...``,
+    ``vart-test-<pid>-...``). Entries of other sessions match neither. A file
+    created and closed between two samples, without a pid in its name, goes
+    unnoticed: the guard cannot tell whose it is.
+    """
+
+    def __init__(self, interval: float = 0.5):
+        self.pids: set[int] = {os.getpid()}
+        self.touched: dict[str, set[str]] = {root: set() for root in GUARDED}
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="leak-guard", daemon=True
+        )
+
+    def __enter__(self) -> SessionFiles:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.sample()
+
+    def sample(self) -> None:
+        tree = _descendants(os.getpid())
+        self.pids |= tree
+        for pid in tree:
+            for path in _paths_used_by(pid):
+                for root in GUARDED:
+                    if path.startswith(root + "/"):
+                        top = path[len(root) + 1 :].split("/", 1)[0]
+                        self.touched[root].add(top.removesuffix(" (deleted)"))
+
+    def ours(self, root: str, names: set[str]) -> list[str]:
+        found = []
+        for name in sorted(names):
+            numbers = {int(n) for n in re.findall(r"\d+", name)}
+            if name in self.touched[root] or numbers & self.pids:
+                found.append(name)
+        return found
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = {root}, [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _paths_used_by(pid: int) -> set[str]:
+    paths = set()
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            for line in fh:
+                if "/dev/shm/" in line or "/tmp/" in line:
+                    paths.add(line.split(None, 5)[-1].strip())
+        fd_dir = f"/proc/{pid}/fd"
+        for fd in os.listdir(fd_dir):
+            try:
+                paths.add(os.readlink(f"{fd_dir}/{fd}"))
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return paths
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
-    """Fail the session if tests leave files in /dev/shm or /tmp."""
-    before = {p: _entries(p) for p in ("/dev/shm", "/tmp")}
-    yield
+    """Fail the session if its processes leave files in /dev/shm or /tmp, and
+    remove the rendezvous files its in-process engines left in .cache/tmp."""
+    before = {p: _entries(p) for p in GUARDED}
+    dist_before = {p.name for p in (CACHE / "tmp").glob(DIST_FILE_PREFIX + "*")}
+    with SessionFiles() as session:
+        yield
+    for path in (CACHE / "tmp").glob(DIST_FILE_PREFIX + "*"):
+        if path.name not in dist_before:
+            path.unlink(missing_ok=True)
     leaked = {}
-    for path, old in before.items():
-        new = sorted(_entries(path) - old)
-        # Other sessions on a shared node may create their own entries: only
-        # names our code uses count as ours.
-        ours = [n for n in new if n.startswith(("vllm", "pytest", "torch", "tmp"))]
+    for root, old in before.items():
+        ours = session.ours(root, _entries(root) - old)
         if ours:
-            leaked[path] = ours
+            leaked[root] = ours
     if leaked:
         pytest.fail(f"tests left files behind: {leaked}", pytrace=False)
 

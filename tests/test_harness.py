@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +71,45 @@ def test_routed_experts_codec_round_trip_and_rejects():
         decode_routed_experts(numpy2base64(np.zeros((2, 2), dtype=np.uint8)))
     with pytest.raises(RoutedExpertsDecodeError):
         decode_routed_experts(numpy2base64(np.zeros((2, 2, 2), dtype=np.int64)))
+
+
+def test_leak_guard_counts_only_what_this_session_used():
+    """tests/conftest.py's guard: a /dev/shm file held by a descendant, or
+    named with a descendant's pid, is ours; one held by a process outside
+    this session's tree (another session on a shared node) is not."""
+    import time
+    import uuid
+
+    from conftest import SessionFiles
+
+    tag = uuid.uuid4().hex[:8]
+    held = f"fork-guard-held-{tag}"
+    other = f"fork-guard-other-{tag}"
+    hold = "import sys, time; f = open(sys.argv[1], 'w'); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", hold, f"/dev/shm/{held}"])
+    # the same, from an orphan (reparented away from this session's tree)
+    script = f'"$0" -c "{hold}" /dev/shm/{other} >/dev/null 2>&1 & echo $!'
+    orphan = subprocess.run(
+        ["sh", "-c", script, sys.executable],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    orphan_pid = int(orphan.stdout.strip())
+    tagged = f"torch_{child.pid}_{tag}"
+    session = SessionFiles()
+    try:
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(f"/dev/shm/{n}") for n in (held, other)):
+            assert time.monotonic() < deadline, "helpers did not start"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        session.sample()
+        assert child.pid in session.pids
+        assert session.ours("/dev/shm", {held, other, tagged}) == sorted([held, tagged])
+    finally:
+        child.kill()
+        child.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan_pid, signal.SIGKILL)
+        for name in (held, other):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
