@@ -122,6 +122,7 @@ def test_http_completion_and_chat_match_transformers_router(tiny_moe):
         "--served-model-name", "tiny", "--enable-return-routed-experts",
         "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
         "--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager",
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     extra = {"return_token_ids": True, "ignore_eos": True}
     with VllmServer(tiny_moe, flags, log_name="test-r3-http.log") as srv:
@@ -144,6 +145,11 @@ def test_http_completion_and_chat_match_transformers_router(tiny_moe):
             temperature=0.0,
             extra_body=extra,
         )
+    # The second completion must really have hit the prefix cache.
+    details = responses[1].usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) >= 2 * BLOCK_SIZE, (
+        f"the second prompt did not hit the prefix cache: {responses[1].usage}"
+    )
     for resp in responses:
         choice = resp.choices[0]
         extra_fields = choice.model_extra or {}

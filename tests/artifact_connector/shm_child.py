@@ -2,33 +2,39 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Helper process for the multi-process SHM store tests.
 
-Run as ``python shm_child.py ROLE ROOT NAMESPACE [ARGS]``. To keep start-up
-fast it loads the artifact modules without executing ``vllm/__init__``
-(which imports torch): the parent packages are registered as bare package
-stubs that point at the real directories.
+``python shm_child.py writer ROOT NS NBATCHES BATCH SIZE FAULT_BATCH STAGE
+HOLD [STATUS_FILE]`` publishes ``NBATCHES`` batches of ``BATCH`` objects;
+``python shm_child.py reader ROOT NS TOTAL SIZE WAIT_ALL`` reads them back
+and prints JSON.
 
-Why the stubs are kept: ``import vllm.logger`` alone runs ``vllm/__init__``
-and takes about 5 s here, while ``store`` and ``shm`` need nothing from
-vLLM but ``vllm.logger.init_logger`` (numpy and xxhash otherwise). The
-stubs touch only those three package names plus ``vllm.logger`` (replaced
-by ``logging.getLogger``), exist only in this throw-away child process, and
-the parent test process imports the real modules, so the code under test is
-the same files. If ``shm`` or ``store`` ever import more of vLLM, the child
-fails at import with a clear ImportError rather than testing something else.
+Faults are injected here, in the test process, never through hooks in the
+store: ``after_data`` kills the writer inside ``fill`` (data written, not
+indexed); ``mid_index`` replaces the writer module's ``write_all`` so that
+the batch's index record is half written when the process is killed.
+
+To keep start-up fast the store is loaded without running ``vllm/__init__``
+(which imports torch, ~5 s): the parent packages are registered as bare
+package stubs pointing at the real directories and ``vllm.logger`` as
+``logging``. The modules under test are the same files the parent imports;
+if the store ever needs more of vLLM, this child fails at import.
 """
 
-import hashlib
+import importlib.util
 import json
 import logging
+import mmap
 import os
 import signal
 import sys
 import types
 
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import key, payload  # noqa: E402
+
 
 def _load():
-    import importlib.util
-
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.submodule_search_locations is None:
         raise RuntimeError("vllm is not importable")
@@ -45,78 +51,81 @@ def _load():
     logger_mod.init_logger = logging.getLogger  # type: ignore[attr-defined]
     sys.modules["vllm.logger"] = logger_mod
     from vllm.distributed.artifact_connector import shm, store
+    from vllm.distributed.artifact_connector.shm import writer as writer_mod
 
-    return shm, store
-
-
-def key_of(i: int) -> str:
-    return hashlib.sha256(b"obj-%d" % i).hexdigest()
+    return shm, store, writer_mod
 
 
-def payload_of(i: int, size: int) -> bytes:
-    seed = hashlib.sha256(b"payload-%d" % i).digest()
-    return (seed * (size // len(seed) + 1))[:size]
+def _kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def writer(root, ns, nbatches, batch, size, fault_batch, fault_stage, hold):
-    shm, _ = _load()
-    w = shm.ShmObjectStore.create(
-        root, ns, collect_on_start=False, remove_on_close=False
-    )
+def writer(root, ns, nbatches, batch, size, fault_batch, stage, hold, status):
+    shm, _, writer_mod = _load()
+    w = shm.ShmStoreWriter(root, ns)
+    # status[0]: batches published; status[1]: 1 while inside put_batch.
+    st = None
+    if status:
+        fd = os.open(status, os.O_RDWR)
+        st = np.frombuffer(mmap.mmap(fd, 4096), np.int64)
+        os.close(fd)
     for b in range(nbatches):
-        if b == fault_batch:
+        items = [(key(i), payload(i, size)) for i in range(b * batch, (b + 1) * batch)]
+        if b == fault_batch and stage == "mid_index":
+            real = writer_mod.write_all
 
-            def hook(stage, _s=fault_stage):
-                if stage == _s:
-                    os.kill(os.getpid(), signal.SIGKILL)
+            def half_then_die(fd, bufs, offset, _real=real):
+                data = b"".join(bytes(x) for x in bufs)
+                _real(fd, [data[: len(data) // 2]], offset)
+                _kill_self()
 
-            w._fault_hook = hook
-        w.put_many(
-            [
-                (key_of(i), payload_of(i, size))
-                for i in range(b * batch, (b + 1) * batch)
-            ]
-        )
+            writer_mod.write_all = half_then_die
+        values = [v for _, v in items]
+
+        def fill(buf, _values=values, _b=b):
+            if st is not None:
+                st[1] = 1
+            o = 0
+            for v in _values:
+                buf[o : o + len(v)] = np.frombuffer(v, np.uint8)
+                o += len(v)
+            if _b == fault_batch and stage == "after_data":
+                _kill_self()
+
+        lengths = np.array([len(v) for v in values], np.int64)
+        w.put_batch([k for k, _ in items], lengths, fill)
+        if st is not None:
+            st[0] = b + 1
+            st[1] = 0
         print(f"published {b}", flush=True)
     print("done", flush=True)
     if hold:
-        sys.stdin.read()  # parent closes stdin (or kills us)
+        sys.stdin.read()  # the parent closes stdin (or kills us)
+    os._exit(0)  # without closing: the store stays for the test to collect
 
 
 def reader(root, ns, total, size, wait_all):
-    shm, store = _load()
-    r = shm.ShmObjectStore.open_reader(root, ns)
+    shm, store, _ = _load()
+    r = shm.ShmStoreReader(root, ns)
     seen: set[int] = set()
     mismatches = 0
-    missing_after = []
-    checks = 0
     while True:
         for i in range(total):
             if i in seen:
                 continue
-            k = key_of(i)
-            if not r.exists(k):
+            v = payload(i, size)
+            ref = store.ObjectRef(key(i), store.checksum(v), size)
+            out = np.zeros(size, np.uint8)
+            try:
+                r.read_into([ref], out, np.array([[0, size, 0]]))
+            except store.ObjectMissingError:
                 continue
-            data = r.get(k)
-            checks += 1
-            if data != payload_of(i, size):
+            if out.tobytes() != v:
                 mismatches += 1
             seen.add(i)
         if not wait_all or len(seen) == total:
             break
-    if not wait_all:
-        missing_after = [i for i in range(total) if i not in seen]
-    print(
-        json.dumps(
-            {
-                "seen": sorted(seen),
-                "missing": missing_after,
-                "mismatches": mismatches,
-                "checks": checks,
-            }
-        ),
-        flush=True,
-    )
+    print(json.dumps({"seen": sorted(seen), "mismatches": mismatches}), flush=True)
     r.close()
 
 
@@ -124,10 +133,11 @@ def main():
     role, root, ns, *args = sys.argv[1:]
     if role == "writer":
         nb, bs, size, fb = (int(a) for a in args[:4])
-        writer(root, ns, nb, bs, size, fb, args[4], args[5] == "1")
+        status = args[6] if len(args) > 6 else ""
+        writer(root, ns, nb, bs, size, fb, args[4], args[5] == "1", status)
     elif role == "reader":
-        writer_args = [int(a) for a in args[:3]]
-        reader(root, ns, writer_args[0], writer_args[1], writer_args[2] == 1)
+        total, size, wait_all = (int(a) for a in args[:3])
+        reader(root, ns, total, size, wait_all == 1)
     else:
         raise SystemExit(f"unknown role {role}")
 

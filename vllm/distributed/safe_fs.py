@@ -161,7 +161,9 @@ def ensure_private_shm_dir(
     return real
 
 
-def write_all(fd: int, bufs: Sequence[bytes | bytearray | memoryview], offset: int) -> int:
+def write_all(
+    fd: int, bufs: Sequence[bytes | bytearray | memoryview], offset: int
+) -> int:
     """``pwritev`` all of ``bufs`` at ``offset`` (retrying short writes);
     returns the number of bytes written."""
     views = [memoryview(b).cast("B") for b in bufs]

@@ -146,7 +146,11 @@ class ArtifactSchedulerMeta:
 
     def is_empty(self) -> bool:
         return not (
-            self.starts or self.hashes or self.finalizes or self.discards or self.releases
+            self.starts
+            or self.hashes
+            or self.finalizes
+            or self.discards
+            or self.releases
         )
 
 

@@ -175,16 +175,15 @@ class ArtifactPublisher:
         for s in meta.starts:
             aid = (s.req_id, s.attempt)
             self._attempts[aid] = _Attempt(AttemptRows(self.slab, s.cached_rows))
-            if s.prefix_hashes:
-                if len(s.prefix_hashes) * self.block_size != s.cached_rows:
-                    self._fail_here(
-                        aid,
-                        CoverageError(
-                            f"{len(s.prefix_hashes)} prefix hashes for "
-                            f"{s.cached_rows} cached rows"
-                        ),
-                    )
-                    continue
+            if len(s.prefix_hashes) * self.block_size != s.cached_rows:
+                self._fail_here(
+                    aid,
+                    CoverageError(
+                        f"{len(s.prefix_hashes)} prefix hashes for "
+                        f"{s.cached_rows} cached rows (block size {self.block_size})"
+                    ),
+                )
+                continue
             work.starts.append((aid, self._weight_version, s.prefix_hashes))
         for h in meta.hashes:
             att = self._attempts.get((h.req_id, h.attempt))
@@ -301,7 +300,9 @@ class ArtifactPublisher:
             start, page, n, version = tail
             if fin.tail_hash is None:
                 raise CoverageError(f"a {n}-row tail at row {start} but no tail hash")
-            work.objects.append(_Object(aid, start, n, page, fin.tail_hash, version, True))
+            work.objects.append(
+                _Object(aid, start, n, page, fin.tail_hash, version, True)
+            )
         elif fin.tail_hash is not None:
             raise CoverageError("a tail hash for rows that end on a block boundary")
         work.finalizes.append(fin)
@@ -315,7 +316,9 @@ class ArtifactPublisher:
         if att is not None:
             att.rows.drop()
         self._dirty.discard(aid)
-        self._results.append(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
+        self._results.append(
+            AttemptFailed(aid[0], aid[1], type(error).__name__, str(error))
+        )
         self._work.releases.append(aid)
 
     def report(self) -> ArtifactWorkerReport:
@@ -395,7 +398,10 @@ class ArtifactPublisher:
     def _process(self, work: _Work) -> None:
         for aid, version, prefix_hashes in work.starts:
             self._prefix_versions[aid] = (version, prefix_hashes)
-            keys = [self._keys.key(version, h, self.block_size, tail=False) for h in prefix_hashes]
+            keys = [
+                self._keys.key(version, h, self.block_size, tail=False)
+                for h in prefix_hashes
+            ]
             self._prefix[aid] = keys
             self._own_refs[aid] = []
             self._writer.retain(_owner(aid), keys)
@@ -426,7 +432,9 @@ class ArtifactPublisher:
         ]
         pages = self.slab.pages
         rows = [pages[o.page, : o.num_rows] for o in objects]
-        lengths = np.array([self.spec.object_nbytes(o.num_rows) for o in objects], np.int64)
+        lengths = np.array(
+            [self.spec.object_nbytes(o.num_rows) for o in objects], np.int64
+        )
         try:
             result = self._writer.put_batch(
                 keys,
@@ -450,12 +458,18 @@ class ArtifactPublisher:
         for o, ref in zip(objects, result.refs):
             published.setdefault(o.aid, []).append(ref.key)
             self._own_refs[o.aid].append(
-                PublishedRef(ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
+                PublishedRef(
+                    ref.key, o.start, o.num_rows, ref.checksum, o.weight_version
+                )
             )
         for aid, keys in published.items():
             self._writer.retain(_owner(aid), keys)
             self._results.append(
-                CommitProgress(aid[0], aid[1], self._own_refs[aid][-1].start + self._own_refs[aid][-1].num_rows)
+                CommitProgress(
+                    aid[0],
+                    aid[1],
+                    self._own_refs[aid][-1].start + self._own_refs[aid][-1].num_rows,
+                )
             )
 
     def _acknowledge(self, aid: AttemptId, fin: Finalize) -> FinalizeAck:
@@ -467,7 +481,9 @@ class ArtifactPublisher:
             if ref is None:
                 raise self._prefix_miss(b, key, version, prefix_hashes[b])
             refs.append(
-                PublishedRef(key, b * self.block_size, self.block_size, ref.checksum, version)
+                PublishedRef(
+                    key, b * self.block_size, self.block_size, ref.checksum, version
+                )
             )
         refs.extend(self._own_refs[aid])
         pos = 0
@@ -508,7 +524,9 @@ class ArtifactPublisher:
         )
 
     def _fail_in_thread(self, aids: list[AttemptId], error: BaseException) -> None:
-        logger.warning("artifact publication failed for %d request(s): %s", len(aids), error)
+        logger.warning(
+            "artifact publication failed for %d request(s): %s", len(aids), error
+        )
         for aid in aids:
             if aid in self._failed:
                 continue

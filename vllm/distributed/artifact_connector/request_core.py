@@ -95,9 +95,8 @@ class RowSpec:
         dt = np.dtype(self.dtype)
         object.__setattr__(self, "dtype", dt)
         if dt not in _DTYPE_CODES:
-            raise ValueError(
-                f"artifact rows must be one of {[str(d) for d in _DTYPE_CODES]}, got {dt}"
-            )
+            names = [str(d) for d in _DTYPE_CODES]
+            raise ValueError(f"artifact rows must be one of {names}, got {dt}")
         if not (0 < self.num_layers < 1 << 16 and 0 < self.top_k < 1 << 16):
             raise ValueError("num_layers and top_k must be in [1, 65535]")
 
@@ -230,7 +229,7 @@ def encode_objects(
                 f"{spec.dtype}, got {list(r.shape)} {r.dtype}"
             )
         p = r.nbytes
-        mv[o : o + p] = memoryview(np.ascontiguousarray(r)).cast("B")
+        mv[o : o + p] = np.ascontiguousarray(r).data.cast("B")
         h = ChecksumState(mv[o : o + p])
         env["checksum"][i] = h.intdigest()
         trailer = env_bytes[i]
@@ -300,7 +299,9 @@ def read_rows(
     spans = np.stack(
         ((lo - starts) * rb, (starts + nrows - lo) * rb, (lo - first_row) * rb), axis=1
     )
-    obj_refs = [ObjectRef(r.key, r.checksum, spec.object_nbytes(r.num_rows)) for r in wanted]
+    obj_refs = [
+        ObjectRef(r.key, r.checksum, spec.object_nbytes(r.num_rows)) for r in wanted
+    ]
     keys = [r.key for r in wanted]
 
     def check(trailers: np.ndarray, lengths: np.ndarray) -> None:
@@ -358,7 +359,9 @@ def _check_envelopes(
     if have.hex() != "".join(keys):
         raw = have
         i = next(
-            j for j, k in enumerate(keys) if raw[j * KEY_NBYTES : (j + 1) * KEY_NBYTES].hex() != k
+            j
+            for j, k in enumerate(keys)
+            if raw[j * KEY_NBYTES : (j + 1) * KEY_NBYTES].hex() != k
         )
         raise EnvelopeError(
             f"object {i} carries key "

@@ -85,7 +85,11 @@ class Arena:
         when it was evicted meanwhile (the log then says where its objects
         went)."""
         fd = open_private_file(
-            arena_name(aid), ns_fd, os.O_RDONLY, "artifact arena", error=UnsafeStoreError
+            arena_name(aid),
+            ns_fd,
+            os.O_RDONLY,
+            "artifact arena",
+            error=UnsafeStoreError,
         )
         try:
             size = os.fstat(fd).st_size

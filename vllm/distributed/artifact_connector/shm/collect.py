@@ -75,7 +75,9 @@ class WriterIdentity:
         d = json.loads(raw)
         if not isinstance(d, dict) or d.get("format") != 2:
             raise ValueError("unknown writer record format")
-        return cls(int(d["pid"]), int(d["start_ticks"]), str(d["boot_id"]), int(d["pid_ns"]))
+        return cls(
+            int(d["pid"]), int(d["start_ticks"]), str(d["boot_id"]), int(d["pid_ns"])
+        )
 
     def is_alive(self) -> bool | None:
         """True if the writer runs, False if it is proven gone, None if this

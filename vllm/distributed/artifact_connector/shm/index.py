@@ -176,17 +176,23 @@ class Index:
                     r["cs"].astype(np.uint64),
                     current=rtype == log.PUT,
                 )
-            elif rtype in (log.MOVE, log.DROP):
+            elif rtype == log.MOVE:
                 s = self.find(key, int(r["cs"][0]))
-                if s is None:
-                    continue
-                if rtype == log.MOVE:
+                if s is not None:
                     self.move(s, int(r["arena"][0]), int(r["off"][0]))
-                else:
-                    self.drop(key, s)
             elif rtype == log.RETIRE:
-                retired.append(int(r["arena"][0]))
+                aid = int(r["arena"][0])
+                self.drop_arena(aid)
+                retired.append(aid)
         return retired
+
+    def drop_arena(self, aid: int) -> int:
+        """Drop every version still located in arena ``aid``; returns how
+        many."""
+        slots = self.slots_in_arena(aid)
+        for s in slots.tolist():
+            self.drop(self.key_of(s), s)
+        return int(slots.shape[0])
 
     # ------------------------------------------------------------ queries
     def slots_of(self, refs: Sequence[tuple[str, int, int]]) -> list[int | None]:

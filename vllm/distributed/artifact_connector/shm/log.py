@@ -33,8 +33,7 @@ BATCH_HEADER = struct.Struct("<4sIII")  # magic, count, records crc, header crc
 PUT = 1  # a version that is (now) the key's current one
 PUT_OLD = 2  # a version that exists but is not current (snapshots only)
 MOVE = 3  # a version moved to another arena location
-DROP = 4  # a version is gone
-RETIRE = 5  # an arena was unlinked: readers drop their mapping
+RETIRE = 5  # an arena was unlinked: the versions still in it are gone
 
 RECORD_DTYPE = np.dtype(
     [

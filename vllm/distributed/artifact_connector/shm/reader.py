@@ -72,7 +72,9 @@ class ShmStoreReader(ObjectStoreReader):
     # ------------------------------------------------------------ index
     def _reload(self) -> None:
         """Read the log from the start (first open, or after compaction)."""
-        fd = open_private_file(INDEX_FILE, self._ns_fd, os.O_RDONLY, "index log", error=UnsafeStoreError)
+        fd = open_private_file(
+            INDEX_FILE, self._ns_fd, os.O_RDONLY, "index log", error=UnsafeStoreError
+        )
         try:
             log.check_header(os.pread(fd, log.LOG_HEADER.size, 0))
         except BaseException:
@@ -161,7 +163,7 @@ class ShmStoreReader(ObjectStoreReader):
                     f"missing from store {self._namespace} (evicted while not "
                     "retained, or never published)"
                 )
-        slots = np.fromiter(found, np.int64, len(found))  # type: ignore[arg-type]
+        slots = np.fromiter(found, np.int64, len(found))
         lens = idx.length[slots]
         want = np.fromiter((r.nbytes for r in refs), np.int64, len(refs))
         bad = lens != want

@@ -7,12 +7,14 @@ caller encode the objects straight into it, and appends one index batch
 (see ``log``). The index in memory changes only after the log write
 succeeded, so a failed write (``ENOSPC``) leaves log and index agreeing.
 
-Capacity bounds the arenas (the prepared spare included) plus the index log
-at every point: room is made *before* anything grows, by compacting the log
-or evicting whole arenas oldest first. Objects of retained keys in a victim
-arena are copied into the active arena (``MOVE`` records); the rest are
-dropped (``DROP``); then ``RETIRE`` is logged and the arena unlinked. An
-arena whose retained objects do not fit is skipped.
+Capacity bounds everything on disk (arenas, the prepared spare included,
+the index log and the writer record) at every point: room is made *before*
+anything grows, by compacting the log or evicting whole arenas oldest
+first, always keeping room for the records of one eviction. Objects of
+retained keys in a victim arena are copied into the active arena (``MOVE``
+records); then ``RETIRE`` is logged, which drops every version still in the
+arena, and the arena is unlinked. An arena whose retained objects do not
+fit is skipped.
 
 Slow work runs in :meth:`ShmStoreWriter.maintain`, which the owner calls
 when it is idle (the worker's publication thread between batches): it
@@ -73,6 +75,8 @@ HEARTBEAT_INTERVAL_S = 10.0
 # Compact when the log is this many times the size of a snapshot.
 _COMPACT_RATIO = 4
 _COMPACT_MIN_BYTES = 1 << 20
+# The index records of an eviction that moves nothing: one RETIRE batch.
+_EVICT_RECORD_BYTES = log.BATCH_HEADER.size + log.RECORD_NBYTES
 
 
 def _io_error(e: OSError, what: str) -> Exception:
@@ -102,7 +106,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         """Create the store ``namespace`` (32 hex characters, fresh) under
         ``root`` (a directory under ``/dev/shm``, created 0700). Stale
         stores of other writers under ``root`` are collected first.
-        ``arena_bytes`` defaults to capacity / 16, clamped to [1, 64] MiB."""
+        ``arena_bytes`` defaults to capacity / 16, clamped to [64 KiB, 64 MiB]."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if inactive_ttl_s < 0:
@@ -117,9 +121,14 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
         self._namespace = namespace
         self._capacity = capacity_bytes
-        self._arena_bytes = align(
-            min(capacity_bytes, arena_bytes or max(1 << 20, min(64 << 20, capacity_bytes // 16)))
-        )
+        if arena_bytes is None:
+            arena_bytes = min(64 << 20, max(64 << 10, capacity_bytes // 16))
+        self._arena_bytes = align(arena_bytes)
+        if self._arena_bytes <= 0 or 2 * self._arena_bytes > capacity_bytes:
+            raise ValueError(
+                f"artifact arenas of {arena_bytes} bytes need a capacity of at "
+                f"least twice that (an active and a spare arena), got {capacity_bytes}"
+            )
         self._ttl = inactive_ttl_s
         self._collect_interval = collect_interval_s
         self._index = Index()
@@ -142,6 +151,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         }
         self._root_fd = self._ns_fd = self._log_fd = self._writer_fd = -1
         self._last_collect = 0.0
+        self._log_size = self._record_bytes = 0
         self._collect(force=True)
         self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
         try:
@@ -157,9 +167,15 @@ class ShmStoreWriter(ObjectStoreWriter):
             )
             create = os.O_RDWR | os.O_CREAT | os.O_EXCL
             self._writer_fd = open_private_file(
-                WRITER_FILE, self._ns_fd, create, "writer record", error=UnsafeStoreError
+                WRITER_FILE,
+                self._ns_fd,
+                create,
+                "writer record",
+                error=UnsafeStoreError,
             )
-            write_all(self._writer_fd, [WriterIdentity.current().to_json()], 0)
+            self._record_bytes = write_all(
+                self._writer_fd, [WriterIdentity.current().to_json()], 0
+            )
             self._log_fd = open_private_file(
                 INDEX_FILE, self._ns_fd, create, "index log", error=UnsafeStoreError
             )
@@ -188,7 +204,10 @@ class ShmStoreWriter(ObjectStoreWriter):
             raise StoreClosedError(f"artifact store {self._namespace} is closed")
 
     def _used(self) -> int:
-        return sum(a.size for a in self._arenas.values()) + self._log_size
+        """Bytes on disk: arenas (the spare included), index log, writer
+        record."""
+        arenas = sum(a.size for a in self._arenas.values())
+        return arenas + self._log_size + self._record_bytes
 
     # ------------------------------------------------------------ put
     def put_batch(
@@ -223,7 +242,10 @@ class ShmStoreWriter(ObjectStoreWriter):
             if sums is None:
                 mv = region.data
                 sums = np.fromiter(
-                    (checksum(mv[o : o + ln]) for o, ln in zip(offs.tolist(), lens.tolist())),
+                    (
+                        checksum(mv[o : o + ln])
+                        for o, ln in zip(offs.tolist(), lens.tolist())
+                    ),
                     np.uint64,
                     n,
                 )
@@ -241,7 +263,10 @@ class ShmStoreWriter(ObjectStoreWriter):
                 self._retain(owner, keys)
             self._heartbeat()
             return PutResult(
-                tuple(ObjectRef(k, c, ln) for k, c, ln in zip(keys, cs.tolist(), lens.tolist())),
+                tuple(
+                    ObjectRef(k, c, ln)
+                    for k, c, ln in zip(keys, cs.tolist(), lens.tolist())
+                ),
                 tuple(statuses),
             )
 
@@ -257,9 +282,12 @@ class ShmStoreWriter(ObjectStoreWriter):
         pointed at (``locs``/``offs`` updated; the fresh copy is left
         unindexed)."""
         idx = self._index
-        if idx.current.keys().isdisjoint(keys) and idx.older.keys().isdisjoint(keys):
-            if len(set(keys)) == len(keys):
-                return [PutStatus.WRITTEN] * len(keys)
+        if (
+            idx.current.keys().isdisjoint(keys)
+            and idx.older.keys().isdisjoint(keys)
+            and len(set(keys)) == len(keys)
+        ):
+            return [PutStatus.WRITTEN] * len(keys)
         statuses = []
         seen: dict[tuple[str, int], int] = {}
         for i, key in enumerate(keys):
@@ -285,7 +313,9 @@ class ShmStoreWriter(ObjectStoreWriter):
             return False
         old = self._arenas[int(idx.arena[slot])]
         o = int(idx.off[slot])
-        return bool(np.array_equal(old.arr[o : o + ln], self._arenas[aid].arr[off : off + ln]))
+        return bool(
+            np.array_equal(old.arr[o : o + ln], self._arenas[aid].arr[off : off + ln])
+        )
 
     def _append_log(self, recs: np.ndarray) -> None:
         data = log.encode_batch(recs)
@@ -299,8 +329,7 @@ class ShmStoreWriter(ObjectStoreWriter):
     def _reserve(self, nbytes: int, log_bytes: int) -> tuple[Arena, int]:
         """An arena region of ``nbytes`` for a batch whose index records
         take ``log_bytes``; room for both is made first."""
-        if self._used() + log_bytes > self._capacity:
-            self._make_room(log_bytes)
+        self._make_room(log_bytes)
         a = self._active
         off = a.reserve(nbytes) if a is not None else None
         if a is not None and off is not None:
@@ -335,9 +364,10 @@ class ShmStoreWriter(ObjectStoreWriter):
         return keep, int(idx.length[slots[keep]].sum()) + 64 * int(keep.sum())
 
     def _make_room(self, need: int) -> None:
-        """Evict (or compact) until ``need`` more bytes fit in capacity."""
-        while self._used() + need > self._capacity:
-            if self._compact_log_if_worthwhile():
+        """Evict (or compact) until ``need`` more bytes fit in capacity,
+        with room left for the records of one more eviction."""
+        while self._used() + need + _EVICT_RECORD_BYTES > self._capacity:
+            if self._compact_log_if_worthwhile(under_pressure=True):
                 continue
             for aid in sorted(self._arenas):
                 arena = self._arenas[aid]
@@ -367,17 +397,17 @@ class ShmStoreWriter(ObjectStoreWriter):
         idx = self._index
         slots = idx.slots_in_arena(aid)
         keep, move_bytes = self._retained_bytes(slots)
-        rec_bytes = log.BATCH_HEADER.size + log.RECORD_NBYTES * (slots.shape[0] + 1)
+        moves = slots[keep]
+        rec_bytes = log.BATCH_HEADER.size + log.RECORD_NBYTES * (moves.shape[0] + 1)
         if self._used() + rec_bytes > self._capacity:
             return False
-        moves, drops = slots[keep], slots[~keep]
         dst = self._active
+        dst_offs: list[int] = []
         parts = []
         if moves.shape[0]:
             if dst is None or align(dst.fill) + move_bytes > dst.size:
                 return False
             victim = self._arenas[aid]
-            dst_offs = []
             for s in moves.tolist():
                 o, ln = int(idx.off[s]), int(idx.length[s])
                 d = dst.reserve(ln)
@@ -395,19 +425,13 @@ class ShmStoreWriter(ObjectStoreWriter):
                     idx.cs[moves],
                 )
             )
-        if drops.shape[0]:
-            parts.append(
-                log.records(log.DROP, idx.key_raw[drops].tobytes(), aid, 0, 0, idx.cs[drops])
-            )
         parts.append(log.records(log.RETIRE, bytes(32), aid))
         self._append_log(np.concatenate(parts))
-        if moves.shape[0] and dst is not None:
+        if dst is not None:
             for s, d in zip(moves.tolist(), dst_offs):
                 idx.move(s, dst.aid, d)
-        for s in drops.tolist():
-            idx.drop(idx.key_of(s), s)
         self._counts["relocated_objects"] += int(moves.shape[0])
-        self._counts["evicted_objects"] += int(drops.shape[0])
+        self._counts["evicted_objects"] += idx.drop_arena(aid)
         self._unlink_arena(aid)
         return True
 
@@ -417,13 +441,20 @@ class ShmStoreWriter(ObjectStoreWriter):
             os.unlink(arena_name(aid), dir_fd=self._ns_fd)
 
     # ------------------------------------------------------------ log
-    def _compact_log_if_worthwhile(self) -> bool:
-        """Replace the log by a snapshot if it is much larger than one and
-        the snapshot fits in capacity. Returns whether it compacted."""
+    def _compact_log_if_worthwhile(self, *, under_pressure: bool = False) -> bool:
+        """Replace the log by a snapshot if it is several times larger than
+        one (twice, when room is needed now) and the snapshot fits in
+        capacity. Returns whether it compacted."""
         snap_bytes = log.LOG_HEADER.size + (
             log.BATCH_HEADER.size + log.RECORD_NBYTES * self._index.num_versions
         )
-        if self._log_size < max(_COMPACT_MIN_BYTES, _COMPACT_RATIO * snap_bytes):
+        if under_pressure:
+            threshold = 2 * snap_bytes
+        else:
+            threshold = _COMPACT_RATIO * snap_bytes + min(
+                _COMPACT_MIN_BYTES, self._capacity // 32
+            )
+        if self._log_size < threshold:
             return False
         if self._used() + snap_bytes > self._capacity:
             return False

@@ -1,0 +1,332 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The worker-side publisher: step-batched publication on its thread,
+retain/release, per-block weight versions, aborts and failures, read back
+through the scheduler's read path from a real /dev/shm store."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from vllm.distributed.artifact_connector.buffer import RowSlab
+from vllm.distributed.artifact_connector.protocol import (
+    Abort,
+    ArtifactSchedulerMeta,
+    AttemptStart,
+    BlockHashes,
+    Discard,
+    Finalize,
+    Release,
+)
+from vllm.distributed.artifact_connector.publisher import (
+    ArtifactPublisher,
+    PublisherClosedError,
+)
+from vllm.distributed.artifact_connector.request_core import (
+    KeySpace,
+    RowSpec,
+    read_rows,
+)
+from vllm.distributed.artifact_connector.shm import (
+    ShmStoreReader,
+    ShmStoreWriter,
+    make_namespace,
+)
+
+SPEC = RowSpec(3, 2)
+B = 4
+
+
+def block_hash(seq: str, b: int) -> bytes:
+    return hashlib.sha256(f"{seq}/{b}".encode()).digest()
+
+
+def routes(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, 3, 2), dtype=np.uint8)
+
+
+class Harness:
+    """A publisher on a real store, plus the scheduler's reader."""
+
+    def __init__(self, root, capacity=8 << 20, arena=256 << 10, pages=256, **kw):
+        ns = make_namespace("pub")
+        self.writer = ShmStoreWriter(
+            root, ns, capacity_bytes=capacity, arena_bytes=arena
+        )
+        self.slab = RowSlab(SPEC, B, pages)
+        self.pub = ArtifactPublisher(self.writer, SPEC, self.slab, KeySpace(ns), **kw)
+        self.reader = ShmStoreReader(root, ns)
+        self.acks: dict = {}
+        self.failures: dict = {}
+
+    def step(self, meta=None, rows=()):
+        """One engine step: messages, then rows ``(req, attempt, start,
+        array)``, then flush; waits for the thread and collects reports."""
+        if meta is not None:
+            self.pub.apply(meta)
+        if rows:
+            self.pub.write_step(
+                [(r, a) for r, a, _, _ in rows],
+                [s for _, _, s, _ in rows],
+                [len(x) for *_, x in rows],
+                np.concatenate([x for *_, x in rows]),
+            )
+        self.pub.flush()
+        self.pub.wait_idle(10)
+        rep = self.pub.report()
+        for ack in rep.acks:
+            self.acks[ack.req_id] = ack
+        for f in rep.failures:
+            self.failures[f.req_id] = f
+        return rep
+
+    def read(self, req, first_row=0):
+        ack = self.acks[req]
+        return read_rows(self.reader, SPEC, ack.refs, ack.num_rows, first_row=first_row)
+
+    def close(self):
+        self.reader.close()
+        self.pub.close()
+
+
+@pytest.fixture
+def h(shm_root):
+    harness = Harness(shm_root)
+    yield harness
+    harness.close()
+
+
+def test_one_put_per_step_across_many_requests(h, monkeypatch):
+    """16 requests complete one block each at unrelated rows in one step:
+    the step is one put (one arena write, one index append)."""
+    calls = []
+    real = h.writer.put_batch
+    monkeypatch.setattr(
+        h.writer, "put_batch", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k)
+    )
+    reqs = [f"r{i}" for i in range(16)]
+    starts = tuple(AttemptStart(r, 0, 0) for r in reqs)
+    truth = {r: routes(i, 4 * (i % 5 + 1) + 3) for i, r in enumerate(reqs)}
+    # Everything but each request's last block, in a first step.
+    first = [(r, 0, 0, truth[r][: len(truth[r]) - 7]) for r in reqs]
+    hashes = tuple(
+        BlockHashes(r, 0, 0, tuple(block_hash(r, b) for b in range(len(truth[r]) // B)))
+        for r in reqs
+    )
+    h.step(ArtifactSchedulerMeta(starts=starts, hashes=hashes), first)
+    calls.clear()
+    # Each request completes one block (rows [n-7, n-3)) in this step.
+    second = [(r, 0, len(truth[r]) - 7, truth[r][-7:-3]) for r in reqs]
+    h.step(rows=second)
+    assert calls == [16]
+    fins = tuple(Finalize(r, 0, len(truth[r]) - 3, None) for r in reqs)
+    h.step(ArtifactSchedulerMeta(finalizes=fins))
+    assert calls == [16]  # finishing on a block boundary publishes nothing
+    for r in reqs:
+        np.testing.assert_array_equal(h.read(r), truth[r][:-3])
+
+
+def test_full_life_cycle_with_a_sibling_prefix_hit_and_prompt_start(h):
+    a = routes(1, 14)
+    hashes = tuple(block_hash("shared", b) for b in range(3))
+    # r1 computes its prompt; r2 hits r1's first two blocks in the same
+    # step, before r1's objects are published.
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r1", 0, 0), AttemptStart("r2", 0, 8, hashes[:2])),
+            hashes=(
+                BlockHashes("r1", 0, 0, hashes),
+                BlockHashes("r2", 0, 2, (block_hash("r2", 2),)),
+            ),
+        ),
+        [("r1", 0, 0, a[:12]), ("r2", 0, 8, routes(2, 4))],
+    )
+    h.step(rows=[("r1", 0, 12, a[12:]), ("r2", 0, 12, routes(3, 3))])
+    h.step(
+        ArtifactSchedulerMeta(
+            finalizes=(Finalize("r1", 0, 14, b"t1"), Finalize("r2", 0, 15, b"t2")),
+        )
+    )
+    np.testing.assert_array_equal(h.read("r1"), a)
+    r2 = h.read("r2")
+    np.testing.assert_array_equal(r2[:8], a[:8])  # rows r1 computed
+    np.testing.assert_array_equal(r2[8:12], routes(2, 4))
+    np.testing.assert_array_equal(r2[12:], routes(3, 3))
+    np.testing.assert_array_equal(h.read("r2", first_row=10), r2[10:])
+    assert [x.start for x in h.acks["r2"].refs] == [0, 4, 8, 12]
+    assert h.writer.stats().retainers == 2
+    h.step(ArtifactSchedulerMeta(releases=(Release("r1", 0), Release("r2", 0))))
+    assert h.writer.stats().retained_keys == 0
+
+
+def test_abort_is_a_finish_at_the_executed_boundary(h):
+    a = routes(4, 11)
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r", 0, 0),),
+            hashes=(BlockHashes("r", 0, 0, (block_hash("r", 0), block_hash("r", 1))),),
+        ),
+        [("r", 0, 0, a)],
+    )
+    # The scheduler aborts after 9 executed rows; rows 9 and 10 (a step
+    # that ran past the abort) are dropped.
+    h.step(ArtifactSchedulerMeta(finalizes=(Abort("r", 0, 9, b"tail"),)))
+    ack = h.acks["r"]
+    assert ack.aborted and ack.num_rows == 9
+    np.testing.assert_array_equal(h.read("r"), a[:9])
+
+
+def test_finalize_waits_for_rows_in_flight_then_fails_loudly(h):
+    a = routes(5, 6)
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r", 0, 0), AttemptStart("late", 0, 0)),
+            hashes=(BlockHashes("r", 0, 0, (block_hash("r", 0),)),),
+        ),
+        [("r", 0, 0, a[:3]), ("late", 0, 0, a[:2])],
+    )
+    # The finish arrives before the last step's rows (asynchronous output).
+    h.step(
+        ArtifactSchedulerMeta(
+            finalizes=(Finalize("r", 0, 6, b"t"), Finalize("late", 0, 5, b"t"))
+        )
+    )
+    assert "r" not in h.acks
+    h.step(rows=[("r", 0, 3, a[3:])])
+    np.testing.assert_array_equal(h.read("r"), a)
+    for _ in range(5):  # rows of "late" never come
+        h.step()
+    f = h.failures["late"]
+    assert f.error_type == "CoverageError" and "never arrived" in f.message
+    assert "late" not in h.acks
+
+
+def test_preemption_discards_and_the_next_attempt_replaces_rows(h):
+    a = routes(6, 10)
+    h.step(
+        ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)),
+        [("r", 0, 0, routes(99, 6))],  # no hashes yet: nothing published
+    )
+    h.step(ArtifactSchedulerMeta(discards=(Discard("r", 0),)))
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r", 1, 0),),
+            hashes=(BlockHashes("r", 1, 0, (block_hash("r", 0), block_hash("r", 1))),),
+        ),
+        [("r", 1, 0, a)],
+    )
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("r", 1, 10, b"t"),)))
+    assert h.acks["r"].attempt == 1
+    np.testing.assert_array_equal(h.read("r"), a)
+    h.step(ArtifactSchedulerMeta(releases=(Release("r", 1),)))
+    assert h.writer.stats().retainers == 0
+    assert h.slab.num_free() == h.slab.num_pages
+
+
+def test_weight_versions_per_block(h):
+    v1 = routes(7, 8)
+    hashes = tuple(block_hash("p", b) for b in range(3))
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("old", 0, 0),),
+            hashes=(BlockHashes("old", 0, 0, hashes),),
+        ),
+        [("old", 0, 0, v1[:6])],
+    )
+    h.pub.set_weight_version("w2")  # an update while "old" runs
+    h.step(rows=[("old", 0, 6, v1[6:])])
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("old", 0, 8, None),)))
+    # The request keeps its own rows across the update; each block carries
+    # the version that computed (the first row of) it.
+    np.testing.assert_array_equal(h.read("old"), v1)
+    assert [r.weight_version for r in h.acks["old"].refs] == ["0", "0"]
+    # A prefix hit on those blocks under the new weights fails loudly.
+    h.step(
+        ArtifactSchedulerMeta(starts=(AttemptStart("hit", 0, 8, hashes[:2]),)),
+        [("hit", 0, 8, routes(8, 2))],
+    )
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("hit", 0, 10, b"t"),)))
+    f = h.failures["hit"]
+    assert f.error_type == "WeightVersionMismatchError"
+    assert "reset the prefix cache" in f.message.lower()
+    # After a prefix-cache reset the blocks are recomputed under w2: fine.
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("new", 0, 0),),
+            hashes=(BlockHashes("new", 0, 0, hashes[:2]),),
+        ),
+        [("new", 0, 0, routes(9, 8))],
+    )
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("new", 0, 8, None),)))
+    assert [r.weight_version for r in h.acks["new"].refs] == ["w2", "w2"]
+
+
+def test_a_missing_prefix_object_is_a_typed_failure(h):
+    h.step(
+        ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 4, (block_hash("x", 0),)),)),
+        [("r", 0, 4, routes(1, 2))],
+    )
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("r", 0, 6, b"t"),)))
+    assert h.failures["r"].error_type == "ObjectMissingError"
+    assert h.writer.stats().retainers == 0
+
+
+def test_tail_hash_policy_on_a_block_boundary(h):
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r", 0, 0),),
+            hashes=(BlockHashes("r", 0, 0, (block_hash("r", 0),)),),
+        ),
+        [("r", 0, 0, routes(1, 4))],
+    )
+    # Rows end on a block boundary: the last block is a full block keyed by
+    # its KV hash, and a tail hash is an error.
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("r", 0, 4, b"tail"),)))
+    assert h.failures["r"].error_type == "CoverageError"
+
+
+def test_a_background_failure_fails_exactly_the_affected_requests(shm_root):
+    h = Harness(shm_root, capacity=256 << 10, arena=32 << 10)
+    try:
+        big = routes(1, 4 * 100)  # ~15 KiB of objects and index per request
+        n = 24
+        starts = tuple(AttemptStart(f"r{i}", 0, 0) for i in range(n))
+        hashes = tuple(
+            BlockHashes(
+                f"r{i}", 0, 0, tuple(block_hash(f"r{i}", b) for b in range(100))
+            )
+            for i in range(n)
+        )
+        h.step(ArtifactSchedulerMeta(starts=starts, hashes=hashes))
+        for i in range(n):
+            h.step(rows=[(f"r{i}", 0, 0, big)])
+        failed = set(h.failures)
+        assert failed and len(failed) < n  # the store filled up part way
+        for f in h.failures.values():
+            assert f.error_type == "StoreCapacityError"
+        ok = [f"r{i}" for i in range(n) if f"r{i}" not in failed]
+        h.step(ArtifactSchedulerMeta(finalizes=tuple(Finalize(r, 0, 400) for r in ok)))
+        for r in ok:
+            np.testing.assert_array_equal(h.read(r), big)
+        # Failed attempts retain nothing; their later rows are ignored.
+        assert h.writer.stats().retainers == len(ok)
+        h.step(rows=[(next(iter(failed)), 0, 400, routes(2, 1))])
+        h.step(ArtifactSchedulerMeta(releases=tuple(Release(r, 0) for r in ok)))
+        s = h.writer.stats()
+        assert s.retainers == 0 and s.retained_keys == 0
+        assert h.slab.num_free() == h.slab.num_pages
+    finally:
+        h.close()
+
+
+def test_close_joins_the_thread_and_later_use_is_an_error(shm_root):
+    h = Harness(shm_root)
+    h.step(
+        ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)),
+        [("r", 0, 0, routes(1, 2))],
+    )
+    h.close()
+    assert not h.pub._thread.is_alive()
+    with pytest.raises(PublisherClosedError):
+        h.pub.flush()
