@@ -94,3 +94,43 @@ def trainer(scope: str, key: str, out) -> None:
     with conn(scope, 0) as c:
         obj = receive_payload(c, "engine", "trainer", key, timeout_s=20)
     out.put(None if obj is None else obj["routed_experts"].sum().item())
+
+
+def hold_lock_on(path: str, held, release) -> None:
+    """Hold an exclusive flock on ``path`` until ``release`` is set."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    held.set()
+    release.wait(60)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def close_inherited(c: HostTransportConnector, out) -> None:
+    """Forked child: try to use the parent's connector, then close it."""
+    import gc
+
+    out.put(c.put("p", "c", "from-child", 1)[0])
+    c.close()
+    del c
+    gc.collect()
+
+
+def put_canary(scope: str, done, exit_ev) -> None:
+    """Publish a struct whose module the receiving process never imported."""
+    from tests.host_transport._canary import Canary
+
+    put_and_linger(scope, 4096, [("k", {"s": Canary(3)})], done, exit_ev)
+
+
+def drain_in_order(scope: str, ring: int, n: int, ready, out) -> None:
+    """Receive ``k0 .. k<n-1>`` in order and report their values."""
+    with conn(scope, ring) as c:
+        ready.set()
+        got = []
+        for i in range(n):
+            r = c.get_with_deadline("p", "c", f"k{i}", deadline=time.monotonic() + 60)
+            got.append(None if r is None else int(r[0]["t"][0]))
+        out.put(got)

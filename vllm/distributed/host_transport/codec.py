@@ -31,7 +31,6 @@ large hidden state. Nothing returned refers to shared memory.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 import struct
 from collections.abc import Sequence
@@ -64,6 +63,10 @@ _RESERVED_EXT = frozenset(
     {EXT_TENSOR, EXT_NDARRAY, EXT_STRUCT, EXT_SER_TENSOR, EXT_SER_NDARRAY}
     | {EXT_SER_IMAGE, 1, 2, 3}
 )
+
+# vLLM's serializer codes: raw buffer view (accepted) and pickle (refused).
+_SER_RAW_VIEW = 3
+_SER_PICKLE = frozenset({1, 2})
 
 _NDARRAY_KINDS = frozenset("biufcmM")
 _SCALARS = (str, int, float, bool, bytes, type(None))
@@ -223,6 +226,25 @@ class EncodedFrame:
         return out
 
 
+class RawFrame:
+    """An already encoded frame (bytes copied out of a ring slot), written to
+    a segment file like an :class:`EncodedFrame`."""
+
+    __slots__ = ("data", "total")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.total = len(data)
+
+    def iovecs(self) -> list[Any]:
+        return [self.data]
+
+
+def struct_type_name(cls: type) -> str:
+    """The ``module:QualName`` a frame names a struct class by."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 class _TreeWalker:
     """Turns a payload tree into a frame header and a list of regions."""
 
@@ -322,7 +344,7 @@ class _TreeWalker:
     def _struct(self, s: msgspec.Struct) -> msgspec.msgpack.Ext:
         cls = type(s)
         fields = [self.walk(getattr(s, f)) for f in cls.__struct_fields__]
-        path = f"{cls.__module__}:{cls.__qualname__}"
+        path = struct_type_name(cls)
         return msgspec.msgpack.Ext(EXT_STRUCT, self.meta.encode((path, fields)))
 
 
@@ -377,8 +399,12 @@ class _SerialDecoder(MsgpackDecoder):
             arr = self._decode_ndarray(enc)
             img = Image.fromarray(np.array(arr))
             return img if img.mode == mode else img.convert(mode)
-        if code in (1, 2, 3):
+        if code == _SER_RAW_VIEW:
             return super().ext_hook(code, data)
+        if code in _SER_PICKLE:
+            # Never unpickle what another process left in shared memory, even
+            # where VLLM_ALLOW_INSECURE_SERIALIZATION is set.
+            raise CorruptFrame("pickled values are not accepted from shared memory")
         return msgspec.msgpack.Ext(code, bytes(data))
 
 
@@ -398,7 +424,12 @@ class FrameCodec:
     receiving, each used under its own lock.
     """
 
-    def __init__(self, max_payload_bytes: int, large_leaf_bytes: int) -> None:
+    def __init__(
+        self,
+        max_payload_bytes: int,
+        large_leaf_bytes: int,
+        struct_types: Sequence[type[msgspec.Struct]] = (),
+    ) -> None:
         self.limit = max_payload_bytes
         self.large_leaf_bytes = large_leaf_bytes
         self._header_enc = msgspec.msgpack.Encoder()
@@ -407,7 +438,11 @@ class FrameCodec:
         self._serial_enc: _SerialEncoder | None = None
         self._serial_dec: _SerialDecoder | None = None
         self.serial_fallbacks = 0
-        self._struct_classes: dict[str, type[msgspec.Struct]] = {}
+        # The struct classes a frame may name (receiving side): looked up by
+        # name, never imported.
+        self._struct_classes: dict[str, type[msgspec.Struct]] = {
+            struct_type_name(c): c for c in struct_types
+        }
         self._tdict_cache: dict[bytes, list[tuple[Any, ...]]] = {}
         # Decode state (valid only during one decode call).
         self._src: memoryview | None = None
@@ -676,8 +711,6 @@ class FrameCodec:
         dtype_name, shape, area, off, nbytes = self._meta_dec.decode(data)
         dtype = _DTYPES_BY_NAME.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
-            dtype = getattr(torch, str(dtype_name), None)
-        if not isinstance(dtype, torch.dtype):
             raise CorruptFrame(f"unknown dtype {dtype_name!r}")
         numel = 1
         for d in shape:
@@ -718,25 +751,16 @@ class FrameCodec:
         return arr
 
     def _struct_class(self, path: Any) -> type[msgspec.Struct]:
-        """The ``msgspec.Struct`` class named ``module:QualName`` (validated
-        once per path, then cached)."""
+        """The allowed ``msgspec.Struct`` class named ``module:QualName``.
+        A frame can only name a class its receiver configured: decoding never
+        imports a module or looks up an attribute by a name read from shared
+        memory."""
         cls = self._struct_classes.get(path) if type(path) is str else None
-        if cls is not None:
-            return cls
-        if type(path) is not str:
-            raise CorruptFrame("bad struct type name")
-        mod_name, _, qualname = path.partition(":")
-        try:
-            obj: Any = importlib.import_module(mod_name)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            raise CorruptFrame(f"unknown struct type {path!r}") from e
-        if not (isinstance(obj, type) and issubclass(obj, msgspec.Struct)):
-            raise CorruptFrame(f"{path!r} is not a msgspec.Struct")
-        if len(self._struct_classes) < 1024:
-            self._struct_classes[path] = obj
-        return obj
+        if cls is None:
+            raise CorruptFrame(
+                f"struct type {path!r} is not in the receiver's allowed_struct_types"
+            )
+        return cls
 
     def _decode_struct(self, data: memoryview) -> msgspec.Struct:
         path, fields = self._header_dec.decode(data)
@@ -747,7 +771,7 @@ class FrameCodec:
         return obj(**dict(zip(names, fields)))
 
 
-def write_frame_to_fd(fd: int, frame: EncodedFrame) -> None:
+def write_frame_to_fd(fd: int, frame: EncodedFrame | RawFrame) -> None:
     """Write a whole frame to a file descriptor with gathered writes."""
     iov: Sequence[Any] = frame.iovecs()
     iov_max = 512

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -31,7 +34,11 @@ class HostTransportConfig:
     scope: str | None = None
     """Deployment scope. Every process that should see each other's payloads
     uses the same scope. ``None`` reads ``VLLM_HOST_TRANSPORT_SCOPE`` and, when
-    that is unset, derives one from the session id of the calling process."""
+    that is unset, derives one from the session id of the calling process
+    (``sid-<getsid>``, logged at start-up): a process of another login session,
+    such as a trainer launched separately, derives a different one and must be
+    given the producer's scope. Set it explicitly (or through the environment
+    variable) for an R3 hand-off."""
 
     shm_root: str = "/dev/shm"
     """Directory of the shared-memory mount that holds the scope directory."""
@@ -43,6 +50,23 @@ class HostTransportConfig:
     large_leaf_bytes: int = 64 * KIB
     """Tensor leaves of at least this size get their own allocation on receipt;
     smaller leaves share one owned buffer."""
+
+    ring_wait_s: float = 0.001
+    """Longest a ``put`` waits for ring space when the ring is full (receivers
+    behind) before it falls back to a per-key segment. A wait that runs out is
+    not repeated until the oldest frame moves, so a ring nobody drains costs
+    one wait, not one per put. 0: never wait."""
+
+    ring_spill_age_s: float = 1.0
+    """When the ring is full, unclaimed frames older than this are moved to
+    per-key segments (still deliverable) to make room: one frame nobody claims
+    (a crashed consumer, a key nobody asks for) cannot wedge the ring."""
+
+    allowed_struct_types: tuple[Any, ...] = ()
+    """``msgspec.Struct`` classes this connector may rebuild from a received
+    frame. A frame naming any other struct type is refused (``None`` plus
+    ``health()["corrupt_frames"]``); nothing is ever imported by a name read
+    from shared memory. Senders need no configuration."""
 
     def __post_init__(self) -> None:
         ring = self.host_ring_bytes
@@ -59,6 +83,13 @@ class HostTransportConfig:
             raise ValueError("max_payload_bytes must be positive")
         if self.large_leaf_bytes <= 0:
             raise ValueError("large_leaf_bytes must be positive")
+        if not (self.ring_wait_s >= 0 and self.ring_spill_age_s >= 0):
+            raise ValueError("ring_wait_s and ring_spill_age_s must be >= 0")
+        if not isinstance(self.allowed_struct_types, tuple) or not all(
+            isinstance(c, type) and issubclass(c, msgspec.Struct)
+            for c in self.allowed_struct_types
+        ):
+            raise TypeError("allowed_struct_types must be a tuple of Struct classes")
         if self.scope is not None and not self.scope:
             raise ValueError("scope must be a non-empty string or None")
 

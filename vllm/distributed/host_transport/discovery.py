@@ -25,7 +25,16 @@ Q_MAGIC = 0
 Q_STAMP = 8
 Q_PK_TOKEN = 16
 
-RING_NAME_RE = re.compile(r"^ring-([0-9a-f]{16})-([0-9]{1,10})-([0-9]{1,20})$")
+# ring-<edge>-<pid>-<start>-<connector instance>
+RING_NAME_RE = re.compile(
+    r"^ring-([0-9a-f]{16})-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})$"
+)
+# Every name the transport creates in a scope directory (what the last
+# connector to close removes): the stamp, rings, per-key segments and their
+# lock files, files being built.
+_OWN_NAME_RE = re.compile(
+    r"^(stamp|ring-[0-9a-f-]+|[0-9a-f]{32}\.(seg|lock)|\.tmp-[0-9a-zA-Z.-]+)$"
+)
 
 
 class HostTransportError(RuntimeError):
@@ -87,37 +96,66 @@ def producer_alive(pid: int, start: int) -> bool:
     return process_start_ticks(pid) == start
 
 
+def _open_root(root: str) -> int:
+    return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _open_private_dir(root_fd: int, name: str, path: str) -> int:
+    """Create (mode 0700) or open the directory ``name`` under ``root_fd``
+    without following a symlink, and check that it is a directory owned by
+    us with no group or other bits. Returns its descriptor."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=root_fd)
+    fd = os.open(
+        name,
+        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+        dir_fd=root_fd,
+    )
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise HostTransportError(f"{path} is not a directory owned by us")
+    if st.st_mode & 0o077:
+        os.close(fd)
+        raise HostTransportError(f"{path} is accessible to other users")
+    return fd
+
+
 class ScopeDir:
-    """The per-user, per-deployment directory and its stamp file."""
+    """The per-user, per-deployment directory and its stamp file.
+
+    Every open connector holds a shared ``flock`` on the directory; the one
+    that closes last (it gets the lock exclusively) removes the directory and
+    everything the transport left in it."""
 
     def __init__(self, root: str, scope: str) -> None:
         check_platform()
         self.uid = os.getuid()
+        self.root = root
         self.name = f"vllm-ht-{self.uid}-{hex_name(scope)}"
         self.path = os.path.join(root, self.name)
         self.fd = -1
         self.stamp_fd = -1
         self._mm: mmap.mmap | None = None
         self.q: memoryview | None = None
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        root_fd = _open_root(root)
         try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.name, 0o700, dir_fd=root_fd)
-            self.fd = os.open(
-                self.name,
-                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                dir_fd=root_fd,
-            )
+            while True:
+                fd = _open_private_dir(root_fd, self.name, self.path)
+                # Membership; waits only while a last closer removes the
+                # directory.
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if os.fstat(fd).st_nlink > 0:
+                    break
+                os.close(fd)  # removed meanwhile: create it again
         finally:
             os.close(root_fd)
-        st = os.fstat(self.fd)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != self.uid:
-            self.close()
-            raise HostTransportError(f"{self.path} is not a directory owned by us")
-        if st.st_mode & 0o077:
-            self.close()
-            raise HostTransportError(f"{self.path} is accessible to other users")
-        self._open_stamp()
+        self.fd = fd
+        try:
+            self._open_stamp()
+        except BaseException:
+            self.close(teardown=False)
+            raise
 
     # -------------------------------------------------------------- stamp
     def _open_stamp(self) -> None:
@@ -171,18 +209,23 @@ class ScopeDir:
         q = self.q
         return q[Q_STAMP] if q is not None else 0
 
-    def advance_stamp(self) -> int:
+    def advance_stamp(self, wait: bool = True) -> bool:
         """Move the directory stamp strictly forward (even with a frozen or
         backwards clock). Serialised by a lock on the stamp file; only
-        registrations and retirements call it."""
+        registrations and retirements call it. With ``wait=False`` (the
+        receive path) the lock is only tried: False when it was busy."""
         q = self.q
         if q is None:
             raise HostTransportError("stamp file is closed")
-        fcntl.flock(self.stamp_fd, fcntl.LOCK_EX)
         try:
-            new = max(q[Q_STAMP] + 1, time.time_ns())
-            q[Q_STAMP] = new
-            return new
+            fcntl.flock(
+                self.stamp_fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB
+            )
+        except BlockingIOError:
+            return False
+        try:
+            q[Q_STAMP] = max(q[Q_STAMP] + 1, time.time_ns())
+            return True
         finally:
             fcntl.flock(self.stamp_fd, fcntl.LOCK_UN)
 
@@ -202,16 +245,42 @@ class ScopeDir:
     def list_rings(self) -> list[str]:
         return [n for n in os.listdir(self.fd) if n.startswith("ring-")]
 
-    def close(self) -> None:
+    def close(self, teardown: bool = True) -> None:
+        """Release the directory. With ``teardown`` (the connector's owning
+        process), the last connector of the scope to close removes it."""
         q, self.q = self.q, None
         if q is not None:
             q.release()
         mm, self._mm = self._mm, None
         if mm is not None:
             mm.close()
-        for attr in ("stamp_fd", "fd"):
-            fd = getattr(self, attr)
-            if fd >= 0:
-                setattr(self, attr, -1)
+        fd, self.stamp_fd = self.stamp_fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+        try:
+            if teardown:
                 with contextlib.suppress(OSError):
-                    os.close(fd)
+                    self._remove_if_last(fd)
+        finally:
+            os.close(fd)
+
+    def _remove_if_last(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another connector still uses the scope
+        # No connector is open in this scope (each holds a shared lock), and a
+        # new one waits for this lock and then sees the directory removed.
+        for name in os.listdir(fd):
+            if _OWN_NAME_RE.match(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+        root_fd = _open_root(self.root)
+        try:
+            os.rmdir(self.name, dir_fd=root_fd)  # fails if anything else is in it
+        finally:
+            os.close(root_fd)

@@ -29,6 +29,7 @@ from typing import Any
 from vllm.distributed.host_transport.codec import (
     CorruptFrame,
     EncodedFrame,
+    RawFrame,
     write_frame_to_fd,
 )
 from vllm.distributed.host_transport.discovery import producer_alive
@@ -78,7 +79,7 @@ def write_segment(
     dir_fd: int,
     name: str,
     key_hash: bytes,
-    frame: EncodedFrame,
+    frame: EncodedFrame | RawFrame,
     pid: int,
     start: int,
     lock_wait_s: float = 1.0,
@@ -174,8 +175,9 @@ def _decode_segment(mv: memoryview, key_hash: bytes, codec: Any) -> Any:
             sub.release()
 
 
-def remove_segment(dir_fd: int, name: str, lock_wait_s: float = 0.05) -> bool:
-    """Retire an unclaimed segment; True if one was there."""
+def remove_segment(dir_fd: int, name: str, lock_wait_s: float = 0.05) -> Any:
+    """Retire an unclaimed segment: True if one was there, False if not, BUSY
+    if its lock stayed busy (a receiver is taking it)."""
     lock_name = name + ".lock"
     try:
         os.stat(lock_name, dir_fd=dir_fd, follow_symlinks=False)
@@ -183,7 +185,7 @@ def remove_segment(dir_fd: int, name: str, lock_wait_s: float = 0.05) -> bool:
         return False
     lfd = _lock_path(dir_fd, lock_name, lock_wait_s)
     if lfd is None:
-        return False
+        return BUSY
     try:
         try:
             os.unlink(name + ".seg", dir_fd=dir_fd)

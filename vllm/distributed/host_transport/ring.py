@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The host ring: one bounded shared-memory ring per (producer process, edge).
+"""The host ring: one bounded shared-memory ring per (producer connector, edge).
 
-Layout of the ring file (``ring-<edge>-<pid>-<start>`` in the scope dir)::
+Layout of the ring file (``ring-<edge>-<pid>-<start>-<instance>`` in the scope
+dir)::
 
     [header 4096 B][data: capacity bytes]
 
@@ -10,6 +11,7 @@ Header, as u64 slots (each hot field on its own cache line)::
 
     q[0]  magic            q[1] version      q[2] capacity
     q[3]  producer pid     q[4] start time   q[5..6] edge id (16 hex chars)
+    q[7]  connector instance id (random, part of the file name)
     q[8]  head   (absolute byte position after the last published frame)
     q[16] tail   (absolute position before which every frame is finished)
     q[24] closed (1 once the producer has retired the ring)
@@ -25,9 +27,18 @@ record up to the end and continues at offset 0.
 
 States: ``WRITING`` (0) while the producer copies, ``READY`` (1) once the
 frame is complete, ``DONE`` (2) once a receiver took it, ``RETIRED`` (3) when
-the producer withdrew it, ``PAD`` (4). Only the producer moves ``head`` and
-``tail``; receivers only flip a ``READY`` byte, under the ring lock (an
-``flock`` on the ring file, always taken non-blocking).
+the producer withdrew it (a 64-byte record in this state with no frame is a
+*tombstone*), ``PAD`` (4). Only the producer moves ``head`` and ``tail``;
+receivers only flip a ``READY`` byte, under the ring lock (an ``flock`` on the
+ring file, always taken non-blocking by receivers). The latest record of a key
+in a ring decides: a receiver never takes a ``READY`` frame of a key that a
+later record of the same ring supersedes.
+
+Memory ordering (see docs/design/host_transport.md): four fences, placed by
+:func:`memory_fence`, order the plain stores and loads on shared memory on any
+CPU: producer frame bytes -> fence -> ``head``; receiver ``head`` -> fence ->
+frame bytes; receiver copy -> fence -> ``DONE``; producer ``DONE`` -> fence ->
+reuse of the slot.
 """
 
 from __future__ import annotations
@@ -36,18 +47,22 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import mmap
 import os
+import platform
 import struct
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from vllm.distributed.host_transport.codec import CorruptFrame, EncodedFrame
+from vllm.distributed.host_transport.codec import CorruptFrame, EncodedFrame, RawFrame
 
 RING_MAGIC = 0x31474E4952544856  # "VHTRING1"
-RING_VERSION = 1
+RING_VERSION = 2
 HEADER_SIZE = 4096
-Q_MAGIC, Q_VERSION, Q_CAP, Q_PID, Q_START, Q_EDGE = 0, 1, 2, 3, 4, 5
+Q_MAGIC, Q_VERSION, Q_CAP, Q_PID, Q_START, Q_EDGE, Q_INST = 0, 1, 2, 3, 4, 5, 7
 Q_HEAD = 8
 Q_TAIL = 16
 Q_CLOSED = 24
@@ -56,6 +71,7 @@ FRAME = struct.Struct("<IB3xQ16s")
 FRAME_HDR = 32
 FRAME_ALIGN = 64
 STATE_OFF = 4
+_NO_KEY = bytes(16)
 
 WRITING, READY, DONE, RETIRED, PAD = 0, 1, 2, 3, 4
 
@@ -65,15 +81,52 @@ GONE = object()  # not there (claimed, retired, overwritten)
 CORRUPT = object()  # frame failed validation; counted and consumed
 DEAD = object()  # producer exited or was restarted
 
+# Results of ProducerRing.retire.
+RETIRED_NOW = 1  # it was READY and is withdrawn
+NOT_READY = 0  # already taken or withdrawn: nothing to do
+LOCK_BUSY = -1  # the ring lock stayed busy: the frame may still be READY
+
 
 # Map rings with their page tables filled in: otherwise the first pass over a
 # fresh ring takes a minor fault per 4 KiB page in the producer and again in
 # every receiver, on the hot path of each put and get.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
+_SEQ_CST = 5  # __ATOMIC_SEQ_CST
+_TSO_MACHINES = frozenset({"x86_64", "amd64"})
 
-def frame_size(payload_total: int) -> int:
-    return (FRAME_HDR + payload_total + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+
+def _tso_fence() -> None:
+    """x86-64 keeps stores in order with stores and loads with loads and with
+    later stores (TSO); the ring's four orderings are all of those kinds, so
+    the CPU needs no fence instruction. A real fence (libatomic, through
+    ctypes) measured 150-170 ns per call on the benchmark machine, about 0.5 us
+    per message for the three a message takes (docs/benchmarks.md)."""
+
+
+def select_fence(machine: str) -> Callable[[], None] | None:
+    """The memory fence for CPU ``machine``; ``None`` when none is available
+    (the connector then keeps the ring off and says so at start-up)."""
+    if machine.lower() in _TSO_MACHINES:
+        return _tso_fence
+    try:
+        lib = ctypes.CDLL("libatomic.so.1")
+        fence = lib.atomic_thread_fence  # C11 atomic_thread_fence(memory_order)
+    except (OSError, AttributeError):
+        return None
+    fence.restype = None
+    fence.argtypes = [ctypes.c_int]
+    return functools.partial(fence, _SEQ_CST)
+
+
+_selected_fence = select_fence(platform.machine())
+#: True when the ring can be used on this CPU (see :func:`select_fence`).
+FENCE_AVAILABLE = _selected_fence is not None
+#: A full memory fence between plain accesses to shared memory. Where none is
+#: available no ring is created or attached, so it is never called.
+memory_fence: Callable[[], None] = (
+    _selected_fence if _selected_fence is not None else _tso_fence
+)
 
 
 def _edge_words(edge_hex: str) -> tuple[int, int]:
@@ -98,6 +151,18 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
+def _lock_within(fd: int, wait_s: float) -> bool:
+    """Try the ring lock until ``wait_s`` has passed (producer side only)."""
+    if _try_lock(fd):
+        return True
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.0002)
+        if _try_lock(fd):
+            return True
+    return False
+
+
 class ProducerRing:
     """The producer's side of one ring. Only the producer writes frames and
     moves ``head``/``tail``; it owns and finally unlinks the file."""
@@ -109,10 +174,11 @@ class ProducerRing:
         capacity: int,
         pid: int,
         start: int,
+        instance: int,
     ) -> None:
         self.dir_fd = dir_fd
         self.capacity = capacity
-        self.name = f"ring-{edge_hex}-{pid}-{start}"
+        self.name = f"ring-{edge_hex}-{pid}-{start}-{instance:016x}"
         self.fd = -1
         self._mm: mmap.mmap | None = None
         self._mv: memoryview | None = None
@@ -123,11 +189,19 @@ class ProducerRing:
         self._data_addr = 0
         self.head = 0
         self.tail = 0
+        # (position, key, publication time) of every frame from ``tail`` on,
+        # oldest first: the age of the oldest unclaimed frame and the key to
+        # spill it under.
+        self.frames: deque[tuple[int, str, float]] = deque()
         # Set when a put found the ring full: the tail then and the size that
         # did not fit. While the oldest frame is still unclaimed, a put of at
         # least that size fails at once without walking the ring.
         self._full_tail = -1
         self._full_need = 0
+        # The tail at which a bounded wait for space last ran out: no new wait
+        # until the oldest frame moves (a wedged ring costs one wait, not one
+        # per put).
+        self.wait_failed_tail = -1
         self.registered = False
         tmp = f".tmp-{self.name}"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -159,31 +233,30 @@ class ProducerRing:
         q[Q_START] = start
         q[Q_EDGE] = e0
         q[Q_EDGE + 1] = e1
+        q[Q_INST] = instance
         q[Q_HEAD] = 0
         q[Q_TAIL] = 0
         q[Q_MAGIC] = RING_MAGIC  # last: the header is complete
         try:
-            # Publication: the final name is the registration marker.
+            # Publication: the final name is the registration marker. (The
+            # rename and the receivers' directory listing are ordered by the
+            # kernel, so the header is visible to whoever finds the name.)
             os.rename(tmp, self.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
-            self.close()
+            self.close(unlink=False, mark_closed=False)
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
             raise
         self.registered = True
 
     # ----------------------------------------------------------------- write
-    def try_put(self, key_hash: bytes, frame: EncodedFrame) -> int | None:
-        """Copy ``frame`` into the ring; the absolute position, or ``None``
-        when it is larger than a quarter of the ring or the ring is full."""
+    def _reserve(self, need: int) -> tuple[int, int] | None:
+        """Room for a record of ``need`` bytes: its absolute position and its
+        offset in the data area (a PAD record is written when it would not
+        fit before the end), or ``None`` when the ring is full."""
         mv = self._mv
-        q = self._q
-        if mv is None or q is None:
-            return None
+        assert mv is not None
         cap = self.capacity
-        need = (frame.total + (FRAME_HDR + FRAME_ALIGN - 1)) & ~(FRAME_ALIGN - 1)
-        if need > cap >> 2:
-            return None
         tail = self.tail
         if tail == self._full_tail and need >= self._full_need:
             state = mv[HEADER_SIZE + tail % cap + STATE_OFF]
@@ -192,29 +265,67 @@ class ProducerRing:
         head = self.head
         off = head % cap
         pad = cap - off if off + need > cap else 0
-        if head + pad + need - self.tail > cap:
+        if head + pad + need - tail > cap:
             self.reclaim()
             if head + pad + need - self.tail > cap:
                 self._full_tail = self.tail
                 self._full_need = need
                 return None
-        base = HEADER_SIZE
         if pad:
-            FRAME.pack_into(mv, base + off, pad, PAD, head, b"\0" * 16)
+            FRAME.pack_into(mv, HEADER_SIZE + off, pad, PAD, head, _NO_KEY)
             head += pad
             off = 0
-        FRAME.pack_into(mv, base + off, need, WRITING, head, key_hash)
+        return head, off
+
+    def _publish(self, new_head: int) -> None:
+        # Everything written for the new records (their bytes, PAD records,
+        # state bytes) is visible before the new head is.
+        memory_fence()
+        self.head = new_head
+        q = self._q
+        assert q is not None
+        q[Q_HEAD] = new_head  # publication point
+
+    def try_put(self, key_hash: bytes, frame: EncodedFrame, key: str) -> int | None:
+        """Copy ``frame`` into the ring; the absolute position, or ``None``
+        when the ring is full. The caller keeps frames larger than a quarter
+        of the ring away."""
+        mv = self._mv
+        if mv is None:
+            return None
+        need = (frame.total + (FRAME_HDR + FRAME_ALIGN - 1)) & ~(FRAME_ALIGN - 1)
+        room = self._reserve(need)
+        if room is None:
+            return None
+        pos, off = room
+        base = HEADER_SIZE + off
+        FRAME.pack_into(mv, base, need, WRITING, pos, key_hash)
         frame.write_into(
-            mv[base + off + FRAME_HDR : base + off + need],
+            mv[base + FRAME_HDR : base + need],
             self._data_addr + off + FRAME_HDR,
         )
-        mv[base + off + STATE_OFF] = READY
-        self.head = head + need
-        q[Q_HEAD] = self.head  # publication point
-        return head
+        mv[base + STATE_OFF] = READY
+        self._publish(pos + need)
+        self.frames.append((pos, key, time.monotonic()))
+        return pos
+
+    def tombstone(self, key_hash: bytes) -> bool:
+        """Publish a record that supersedes every earlier frame of the key in
+        this ring (used when such a frame could not be retired). False when
+        the ring has no room for it."""
+        mv = self._mv
+        if mv is None:
+            return False
+        room = self._reserve(FRAME_ALIGN)
+        if room is None:
+            return False
+        pos, off = room
+        FRAME.pack_into(mv, HEADER_SIZE + off, FRAME_ALIGN, RETIRED, pos, key_hash)
+        self._publish(pos + FRAME_ALIGN)
+        return True
 
     def reclaim(self) -> None:
-        """Advance ``tail`` over finished frames (DONE, RETIRED, PAD)."""
+        """Advance ``tail`` over finished records (DONE, RETIRED, PAD)."""
         mv = self._mv
         q = self._q
         if mv is None or q is None:
@@ -231,38 +342,72 @@ class ProducerRing:
             else:
                 break
         if tail != self.tail:
+            # The receivers' copies of these frames (made before they stored
+            # DONE) are complete before the slots are written again.
+            memory_fence()
             self.tail = tail
             q[Q_TAIL] = tail
+            frames = self.frames
+            while frames and frames[0][0] < tail:
+                frames.popleft()
 
-    def retire(self, pos: int, key_hash: bytes, wait_s: float = 0.05) -> bool:
-        """Withdraw the READY frame at ``pos``. Returns whether it was still
-        unclaimed. Waits at most ``wait_s`` for the ring lock."""
+    def retire(self, pos: int, key_hash: bytes, wait_s: float = 0.05) -> int:
+        """Withdraw the READY frame at ``pos``: RETIRED_NOW, NOT_READY (taken
+        or withdrawn already) or LOCK_BUSY (the ring lock stayed busy for
+        ``wait_s``; the frame may still be READY)."""
         mv = self._mv
         if mv is None or pos < self.tail or pos >= self.head:
-            return False
+            return NOT_READY
         off = HEADER_SIZE + pos % self.capacity
         if mv[off + STATE_OFF] != READY:
-            return False  # already taken: no lock needed
-        deadline = time.monotonic() + wait_s
-        while not _try_lock(self.fd):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.0002)
+            return NOT_READY  # already taken: no lock needed
+        if not _lock_within(self.fd, wait_s):
+            return LOCK_BUSY
         try:
             _, state, fpos, kh = FRAME.unpack_from(mv, off)
             if fpos != pos or state != READY or kh != key_hash:
-                return False
+                return NOT_READY
             mv[off + STATE_OFF] = RETIRED
-            return True
+            return RETIRED_NOW
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def take_oldest(self, wait_s: float) -> tuple[int, str, bytes, RawFrame] | None:
+        """Withdraw the oldest unclaimed frame and return its position, key,
+        key hash and bytes (to republish them elsewhere), or ``None`` when it
+        is not READY any more or the ring lock stayed busy."""
+        mv = self._mv
+        if mv is None or not self.frames:
+            return None
+        pos, key, _ = self.frames[0]
+        if pos < self.tail or pos >= self.head:
+            return None
+        off = HEADER_SIZE + pos % self.capacity
+        if not _lock_within(self.fd, wait_s):
+            return None
+        try:
+            length, state, fpos, kh = FRAME.unpack_from(mv, off)
+            if fpos != pos or state != READY:
+                return None
+            data = bytes(mv[off + FRAME_HDR : off + length])
+            mv[off + STATE_OFF] = RETIRED
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return pos, key, kh, RawFrame(data)
+
+    def oldest_age(self, now: float) -> float:
+        """Seconds since the oldest frame not yet reclaimed was published."""
+        frames = self.frames
+        return now - frames[0][2] if frames else 0.0
 
     def used_bytes(self) -> int:
         return self.head - self.tail
 
-    def close(self, unlink: bool = True) -> None:
+    def close(self, unlink: bool = True, mark_closed: bool = True) -> None:
+        """Drop the mapping. The owner also marks the ring closed and unlinks
+        it; any other process (a forked child) only drops its mappings."""
         q = self._q
-        if q is not None:
+        if q is not None and mark_closed:
             q[Q_CLOSED] = 1
         if unlink and self.registered:
             self.registered = False
@@ -289,7 +434,13 @@ class RingView:
     the READY frames it has seen (key hash -> absolute position)."""
 
     def __init__(
-        self, dir_fd: int, name: str, edge_hex: str, pid: int, start: int
+        self,
+        dir_fd: int,
+        name: str,
+        edge_hex: str,
+        pid: int,
+        start: int,
+        instance: int,
     ) -> None:
         self.name = name
         self.pid = pid
@@ -324,6 +475,7 @@ class RingView:
             or q[Q_START] != start
             or q[Q_EDGE] != e0
             or q[Q_EDGE + 1] != e1
+            or q[Q_INST] != instance
         ):
             self.close()
             raise CorruptFrame(f"ring {name} has an invalid header")
@@ -336,14 +488,18 @@ class RingView:
         return q is None or q[Q_CLOSED] != 0
 
     def scan(self) -> int:
-        """Index frames published since the last scan; returns the number of
+        """Index records published since the last scan; returns the number of
         corrupt records met (the scan skips to ``head`` after one)."""
         q, mv = self.q, self.mv
         if q is None or mv is None:
             return 0
         head = q[Q_HEAD]
-        tail = q[Q_TAIL]
         cur = self.cursor
+        if head == cur:
+            return 0
+        # The records below this head are complete before they are read.
+        memory_fence()
+        tail = q[Q_TAIL]
         if cur < tail:
             cur = tail
             if self.index:
@@ -369,13 +525,18 @@ class RingView:
                 break
             if state == READY:
                 index[kh] = pos
+            elif state != PAD:
+                # A later record of the key (taken, withdrawn, tombstone)
+                # supersedes any earlier READY frame of it.
+                index.pop(kh, None)
             cur += length
         self.cursor = cur
         return corrupt
 
     def claim(self, pos: int, key_hash: bytes, codec: Any) -> Any:
-        """Take the READY frame at ``pos`` for ``key_hash``. Returns the owned
-        payload or one of BUSY, GONE, CORRUPT."""
+        """Take the READY frame at ``pos`` for ``key_hash`` (a position this
+        view indexed). Returns the owned payload or one of BUSY, GONE,
+        CORRUPT."""
         mv = self.mv
         q = self.q
         if mv is None or q is None:
@@ -399,17 +560,20 @@ class RingView:
             if fpos != pos or state != READY or kh != key_hash:
                 return GONE
             if length < FRAME_HDR or rel + length > cap or pos + length > q[Q_HEAD]:
-                mv[off + STATE_OFF] = DONE
-                return CORRUPT
-            sub = mv[off + FRAME_HDR : off + length]
-            try:
-                obj = codec.decode(sub)
-            except CorruptFrame:
-                obj = CORRUPT
-            try:  # noqa: SIM105 (contextlib.suppress costs ~1 us per claim)
-                sub.release()
-            except BufferError:
-                pass
+                obj: Any = CORRUPT
+            else:
+                sub = mv[off + FRAME_HDR : off + length]
+                try:
+                    obj = codec.decode(sub)
+                except CorruptFrame:
+                    obj = CORRUPT
+                try:  # noqa: SIM105 (contextlib.suppress costs ~1 us per claim)
+                    sub.release()
+                except BufferError:
+                    pass
+            # The copy out of the slot is complete before DONE lets the
+            # producer reuse it.
+            memory_fence()
             mv[off + STATE_OFF] = DONE
             return obj
         finally:
