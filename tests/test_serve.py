@@ -6,10 +6,14 @@ and the pruning of what engine runs leave in ``.cache/tmp``."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
@@ -129,3 +133,66 @@ def test_wrapper_returns_the_servers_status_and_removes_its_tmpdir(monkeypatch):
         assert not tmpdir.exists(), "the wrapper left its TMPDIR behind"
     finally:
         record.unlink(missing_ok=True)
+
+
+def _readme_block(marker: str) -> str:
+    """The fenced block right after ``<!-- recipe: marker -->`` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    after = text.split(f"<!-- recipe: {marker} -->", 1)[1]
+    body = after.split("```", 2)[1]
+    return body.split("\n", 1)[1]  # drop the language tag
+
+
+@pytest.mark.engine
+def test_readme_hand_serve_recipe_works_as_written():
+    """README's `make serve` and its client code, unchanged but for the port
+    (8000 may be taken on a shared machine); Ctrl-C stops everything."""
+    from server import _group_alive, free_port
+
+    server_cmd = _readme_block("server").split("#", 1)[0].split()
+    assert server_cmd == ["make", "serve"]
+    client_code = _readme_block("client")
+    assert "127.0.0.1:8000" in client_code
+    port = free_port()
+    client_code = client_code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    tmp_before = set((CACHE / "tmp").iterdir())
+    log_path = CACHE / "logs" / "test-readme-serve.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        [*server_cmd, "--no-print-directory", f"ARGS=--port {port}"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/health", timeout=2
+                ):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "server not healthy in 300 s"
+                time.sleep(0.5)
+        client = subprocess.run(
+            [sys.executable, "-c", client_code],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert client.returncode == 0, client.stderr[-3000:]
+        shape_line = client.stdout.splitlines()[0]
+        assert shape_line.endswith(", 2, 2) uint8"), client.stdout
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    deadline = time.monotonic() + 30
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(proc.pid), "server processes survived Ctrl-C"
+    left = sorted(p.name for p in set((CACHE / "tmp").iterdir()) - tmp_before)
+    assert left == [], f"hand-served run left files in .cache/tmp: {left}"

@@ -161,6 +161,7 @@ def routing_figure(requests: list[RoutedRequest], num_experts: int) -> Figure:
 def _load_panel(ax, counts: np.ndarray, colors: list) -> None:
     """Grouped bars: for each expert, how often each layer chose it."""
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     layers, num_experts = counts.shape
     hatches = ["", "///", "...", "xxx", "\\\\\\", "ooo", "---", "+++"]
@@ -175,6 +176,7 @@ def _load_panel(ax, counts: np.ndarray, colors: list) -> None:
     ax.set_xticks(x)
     ax.set_xlabel("expert ID")
     ax.set_ylabel("times chosen (all slots)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(
         handles=[
             Patch(facecolor="white", edgecolor="black", hatch=hatches[lay % 8],
