@@ -134,3 +134,8 @@ def drain_in_order(scope: str, ring: int, n: int, ready, out) -> None:
             r = c.get_with_deadline("p", "c", f"k{i}", deadline=time.monotonic() + 60)
             got.append(None if r is None else int(r[0]["t"][0]))
         out.put(got)
+
+
+def linger(release) -> None:
+    """Forked child that keeps its inherited descriptors until released."""
+    release.wait(60)

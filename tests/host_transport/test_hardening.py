@@ -230,6 +230,31 @@ def test_forked_child_closing_inherited_connector_leaves_parent_alone(make_conn)
     assert [n for n in os.listdir(prod.scope_dir) if n.startswith("ring-")]
 
 
+def test_scope_reusable_while_a_forked_child_holds_inherited_descriptors(
+    scope, make_conn
+):
+    """The last connector's teardown releases its directory lock explicitly:
+    a child that inherited the descriptor must not keep the scope locked."""
+    c = make_conn(TINY_RING)
+    c.put("p", "c", "k", 1)
+    # A name the transport does not own keeps the directory (and its inode).
+    foreign = os.path.join(c.scope_dir, "not-ours")
+    open(foreign, "w").close()
+    release = helpers.CTX.Event()
+    child = helpers.CTX.Process(target=helpers.linger, args=(release,))
+    child.start()
+    try:
+        c.close()  # the last one: removes what it owns
+        assert os.listdir(scope_path(scope)) == ["not-ours"]
+        again = make_conn(TINY_RING)  # would wait for the child's copy
+        again.put("p", "c", "k", 2)
+        assert again.get("p", "c", "k")[0] == 2
+    finally:
+        release.set()
+        child.join(30)
+        os.unlink(foreign)
+
+
 # ------------------------------------------ 5. two connectors, one process
 def test_two_connectors_in_one_process_are_both_delivered(make_conn, ring_bytes):
     a, b, r = make_conn(TINY_RING), make_conn(TINY_RING), make_conn(ring_bytes)

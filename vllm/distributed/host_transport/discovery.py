@@ -26,6 +26,9 @@ Q_STAMP = 8
 Q_PK_TOKEN = 16
 
 # ring-<edge>-<pid>-<start>-<connector instance>
+# Longest a new connector waits while the last connector of its scope removes
+# the directory (a handful of unlinks).
+_JOIN_WAIT_S = 10.0
 RING_NAME_RE = re.compile(
     r"^ring-([0-9a-f]{16})-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})$"
 )
@@ -140,11 +143,21 @@ class ScopeDir:
         self.q: memoryview | None = None
         root_fd = _open_root(root)
         try:
+            deadline = time.monotonic() + _JOIN_WAIT_S
             while True:
                 fd = _open_private_dir(root_fd, self.name, self.path)
-                # Membership; waits only while a last closer removes the
+                # Membership: busy only while a last closer removes the
                 # directory.
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    if time.monotonic() > deadline:
+                        raise HostTransportError(
+                            f"{self.path} stayed locked by a closing connector"
+                        ) from None
+                    time.sleep(0.001)
+                    continue
                 if os.fstat(fd).st_nlink > 0:
                     break
                 os.close(fd)  # removed meanwhile: create it again
@@ -273,14 +286,19 @@ class ScopeDir:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # another connector still uses the scope
-        # No connector is open in this scope (each holds a shared lock), and a
-        # new one waits for this lock and then sees the directory removed.
-        for name in os.listdir(fd):
-            if _OWN_NAME_RE.match(name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=fd)
-        root_fd = _open_root(self.root)
         try:
-            os.rmdir(self.name, dir_fd=root_fd)  # fails if anything else is in it
+            # No connector is open in this scope (each holds a shared lock),
+            # and a new one waits for this lock, then sees the directory gone.
+            for name in os.listdir(fd):
+                if _OWN_NAME_RE.match(name):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=fd)
+            root_fd = _open_root(self.root)
+            try:
+                os.rmdir(self.name, dir_fd=root_fd)  # fails if anything else is in it
+            finally:
+                os.close(root_fd)
         finally:
-            os.close(root_fd)
+            # Released explicitly: a forked child may still hold a copy of
+            # this descriptor (the same open file, so the same lock).
+            fcntl.flock(fd, fcntl.LOCK_UN)
