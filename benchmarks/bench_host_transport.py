@@ -15,8 +15,20 @@ differs (4 MiB vs 0). Prints one JSON document.
   its system calls counted with ``strace -c`` (difference of two runs).
 * fallback put: cost of a put while the ring is full, against a plain per-key
   put of the same payload.
+* flood: an unbounded sender (no limit on messages in flight) at 4 KiB and
+  64 KiB; messages/s and how many puts fell back to per-key segments.
+* put/get cost: one process, put then get of the same key, each timed on its
+  own (the send side's and the receive side's cost per message).
+* fence: the cost of one call of the ring's memory fence on this CPU, and of
+  a real fence instruction (C11 ``atomic_thread_fence`` from libatomic).
+
+``--before DIR`` also runs every row with an earlier copy of the package,
+importable from DIR as ``vllm_ht_before.host_transport`` (made with ``git
+show <rev>:<file>`` per file and its imports renamed), interleaved with the
+current code in the same run, so both columns share the machine's state.
 
 Usage: python benchmarks/bench_host_transport.py [--iters 2000] [--out f.json]
+       [--before .cache/ht_before]
 """
 
 from __future__ import annotations
@@ -35,6 +47,8 @@ apply_harness_env(enable_triton_interpreter=False)
 
 import argparse
 import contextlib
+import ctypes
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -43,15 +57,14 @@ import signal
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
-from vllm.distributed.host_transport import (
-    HostTransportConfig,
-    HostTransportConnector,
-)
+import vllm.distributed.host_transport as current_ht
+from vllm.distributed.host_transport import ring as current_ring
 from vllm.distributed.host_transport.discovery import hex_name
 
 RING = 4 << 20
@@ -69,6 +82,32 @@ class Step(msgspec.Struct):
     logprobs: torch.Tensor
     routed_experts: torch.Tensor
     finished: bool = False
+
+
+@dataclass
+class Impl:
+    """One implementation of the transport (the current code or an earlier
+    copy) and the configuration options it knows."""
+
+    name: str
+    module: Any
+    new_options: bool  # knows ring_wait_s, allowed_struct_types, ...
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def conn(self, ring: int, scope: str, **opts: Any) -> Any:
+        if not self.new_options:
+            opts = {}
+        cfg = self.module.HostTransportConfig(host_ring_bytes=ring, scope=scope, **opts)
+        return self.module.HostTransportConnector(cfg)
+
+
+def load_impls(before_dir: str | None) -> list[Impl]:
+    impls = [Impl("after", current_ht, True)]
+    if before_dir:
+        sys.path.insert(0, os.path.abspath(before_dir))
+        before = importlib.import_module("vllm_ht_before.host_transport")
+        impls.insert(0, Impl("before", before, False))
+    return impls
 
 
 def payloads() -> dict[str, Any]:
@@ -101,12 +140,13 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def _receiver(scope, ring, edge, label, n, shared, mode, out_q, ready, yield_cpu):
+_OPTS = {"allowed_struct_types": (Step,)}
+
+
+def _receiver(impl, scope, ring, edge, label, n, shared, mode, out_q, ready, yield_cpu):
     # Same configuration as the sender: the per-key baseline is the same code
     # with the ring disabled at both ends.
-    conn = HostTransportConnector(
-        HostTransportConfig(host_ring_bytes=ring, scope=scope)
-    )
+    conn = impl.conn(ring, scope, **_OPTS)
     lat = []
     ready.set()
     t_first = t_last = 0
@@ -134,7 +174,11 @@ def _receiver(scope, ring, edge, label, n, shared, mode, out_q, ready, yield_cpu
     out_q.put((lat, t_first, t_last))
 
 
-def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
+def run_pair(
+    impl: Impl, scope: str, ring: int, label: str, data: Any, n: int, mode: str
+):
+    """``mode``: "lat" (one message in flight), "tput" (up to 64 in flight) or
+    "flood" (no limit: the sender never waits for the receiver)."""
     # A fresh edge (and so a fresh ring) for every run.
     edge = f"r-{label}-{mode}-{ring}-{uuid.uuid4().hex[:8]}"
     shared = CTX.RawArray("q", 1025)
@@ -142,13 +186,11 @@ def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
     ready = CTX.Event()
     p = CTX.Process(
         target=_receiver,
-        args=(scope, ring, edge, label, n, shared, mode, out_q, ready, YIELD),
+        args=(impl, scope, ring, edge, label, n, shared, mode, out_q, ready, YIELD),
     )
     p.start()
     ready.wait(60)
-    conn = HostTransportConnector(
-        HostTransportConfig(host_ring_bytes=ring, scope=scope)
-    )
+    conn = impl.conn(ring, scope, **_OPTS)
     planes: dict[str, int] = {}
     t_start = time.perf_counter_ns()
     yield_cpu = YIELD
@@ -159,7 +201,7 @@ def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
                 if yield_cpu:
                     os.sched_yield()
             shared[i % 1024] = time.perf_counter_ns()
-        else:
+        elif mode == "tput":
             while i - shared[1024] >= 64:
                 if yield_cpu:
                     os.sched_yield()
@@ -180,24 +222,18 @@ def run_pair(scope: str, ring: int, label: str, data: Any, n: int, mode: str):
     return res
 
 
-def _empty_poll_setup(
-    scope: str, ring: int
-) -> tuple[HostTransportConnector, HostTransportConnector]:
+def _empty_poll_setup(impl: Impl, scope: str, ring: int) -> tuple[Any, Any]:
     """A producer with one payload out, and a receiver that has missed once
     (so its ring is attached and the next polls are the steady state)."""
-    prod = HostTransportConnector(
-        HostTransportConfig(host_ring_bytes=ring, scope=scope)
-    )
+    prod = impl.conn(ring, scope)
     prod.put("s", "r", "present", {"codes": torch.arange(4)})
-    conn = HostTransportConnector(
-        HostTransportConfig(host_ring_bytes=ring, scope=scope)
-    )
+    conn = impl.conn(ring, scope)
     conn.get("s", "r", "missing")
     return prod, conn
 
 
-def empty_poll(scope: str, ring: int, n: int) -> float:
-    prod, conn = _empty_poll_setup(scope, ring)
+def empty_poll(impl: Impl, scope: str, ring: int, n: int) -> float:
+    prod, conn = _empty_poll_setup(impl, scope, ring)
     get = conn.get
     t0 = time.perf_counter_ns()
     for _ in range(n):
@@ -208,14 +244,16 @@ def empty_poll(scope: str, ring: int, n: int) -> float:
     return dt
 
 
-def _strace_calls(ring: int, n: int) -> dict[str, Any] | None:
+def _strace_calls(impl: Impl, ring: int, n: int) -> dict[str, Any] | None:
     """Attach ``strace -c`` to a child only while it runs ``n`` empty polls."""
     scope = f"bench-strace-{uuid.uuid4().hex}"
     out = os.path.join(os.environ.get("TMPDIR", "."), f"strace-{uuid.uuid4().hex}.txt")
     cmd = [
         sys.executable, __file__, "--empty-poll-child", str(n),
-        "--ring", str(ring), "--scope", scope,
+        "--ring", str(ring), "--scope", scope, "--impl", impl.name,
     ]  # fmt: skip
+    if impl.name == "before":
+        cmd += ["--before", os.path.dirname(os.path.dirname(impl.module.__path__[0]))]
     child = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -257,10 +295,10 @@ def _strace_calls(ring: int, n: int) -> dict[str, Any] | None:
     return {"loop_ns_per_poll": float(line or 0), "total": total, "calls": per_call}
 
 
-def empty_poll_syscalls(ring: int, n: int) -> dict[str, Any]:
+def empty_poll_syscalls(impl: Impl, ring: int, n: int) -> dict[str, Any]:
     if shutil.which("strace") is None:
         return {"error": "strace not installed (apt-get install strace)"}
-    res = _strace_calls(ring, n)
+    res = _strace_calls(impl, ring, n)
     if res is None:
         return {"error": "could not parse strace -c output"}
     # The window also holds the child's read of "go" and write of its result.
@@ -272,16 +310,15 @@ def empty_poll_syscalls(ring: int, n: int) -> dict[str, Any]:
     }
 
 
-def fallback_put(scope: str, data: Any, n: int) -> dict[str, Any]:
-    # Ring full: fill a 4 MiB ring with unclaimed frames first.
-    conn = HostTransportConnector(
-        HostTransportConfig(host_ring_bytes=RING, scope=scope)
-    )
+def fallback_put(impl: Impl, scope: str, data: Any, n: int) -> dict[str, Any]:
+    # Ring full: fill a 4 MiB ring with unclaimed frames first (no wait for
+    # space, no spilling: the fallback itself is measured).
+    conn = impl.conn(RING, scope, ring_wait_s=0.0, ring_spill_age_s=3600.0)
     filler = {"codes": torch.arange(1000, dtype=torch.int64)}
     i = 0
     while conn.put("s", "r", f"fill{i}", filler)[2]["plane"] == "ring":
         i += 1
-    plain = HostTransportConnector(HostTransportConfig(host_ring_bytes=0, scope=scope))
+    plain = impl.conn(0, scope)
     out: dict[str, Any] = {"ring_fill_frames": i}
     # Interleaved (alternating which goes first), so neither side profits
     # from warm-up or pays for a directory the other one filled.
@@ -307,8 +344,54 @@ def fallback_put(scope: str, data: Any, n: int) -> dict[str, Any]:
     return out
 
 
-def _empty_poll_child(scope: str, ring: int, n: int) -> None:
-    prod, conn = _empty_poll_setup(scope, ring)
+def put_get_cost(impl: Impl, scope: str, data: Any, n: int) -> dict[str, Any]:
+    """Send and receive cost per message in one process (ring on): each put
+    and the get that takes it, timed separately."""
+    conn = impl.conn(RING, scope)
+    put_us: list[float] = []
+    get_us: list[float] = []
+    for i in range(n):
+        key = f"pg{i}"
+        t0 = time.perf_counter_ns()
+        conn.put("s", "pg", key, data)
+        t1 = time.perf_counter_ns()
+        r = conn.get("s", "pg", key)
+        t2 = time.perf_counter_ns()
+        if r is None:
+            raise RuntimeError("get missed")
+        put_us.append((t1 - t0) / 1000.0)
+        get_us.append((t2 - t1) / 1000.0)
+    conn.close()
+    return {
+        "put_p50_us": round(_pct(put_us, 0.5), 2),
+        "get_p50_us": round(_pct(get_us, 0.5), 2),
+    }
+
+
+def fence_cost(n: int) -> dict[str, Any]:
+    """ns per call: the ring's fence on this CPU, a real fence instruction
+    (libatomic's atomic_thread_fence(seq_cst), as used off x86-64), and an
+    empty loop for reference."""
+    out: dict[str, Any] = {"machine": current_ring.platform.machine()}
+    fences = {"ring_memory_fence": current_ring.memory_fence}
+    try:
+        real = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
+        real.restype = None
+        real.argtypes = [ctypes.c_int]
+        fences["libatomic_seq_cst_fence"] = lambda: real(5)
+    except OSError:
+        out["libatomic_seq_cst_fence"] = "libatomic.so.1 not found"
+    fences["empty_loop"] = lambda: None
+    for name, f in fences.items():
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            f()
+        out[name + "_ns"] = round((time.perf_counter_ns() - t0) / n, 1)
+    return out
+
+
+def _empty_poll_child(impl: Impl, scope: str, ring: int, n: int) -> None:
+    prod, conn = _empty_poll_setup(impl, scope, ring)
     get = conn.get
     print("ready", flush=True)
     sys.stdin.readline()
@@ -331,6 +414,8 @@ def main() -> None:
     ap.add_argument("--ring", type=int, default=RING)
     ap.add_argument("--scope", default=None)
     ap.add_argument("--no-yield", action="store_true")
+    ap.add_argument("--before", default=None, help="dir with vllm_ht_before/")
+    ap.add_argument("--impl", default="after", help=argparse.SUPPRESS)
     ap.add_argument(
         "--only", default=None, help="comma-separated payload labels to run"
     )
@@ -343,11 +428,14 @@ def main() -> None:
     global YIELD
     YIELD = not args.no_yield
 
+    impls = load_impls(args.before)
     if args.empty_poll_child is not None:
-        _empty_poll_child(args.scope, args.ring, args.empty_poll_child)
+        impl = next(i for i in impls if i.name == args.impl)
+        _empty_poll_child(impl, args.scope, args.ring, args.empty_poll_child)
         return
 
-    scope = f"bench-{uuid.uuid4().hex}"
+    run_id = uuid.uuid4().hex
+    scopes = {impl.name: f"bench-{run_id}-{impl.name}" for impl in impls}
     result: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -367,32 +455,84 @@ def main() -> None:
                 continue
             big = label in ("512KiB", "quarter_ring+", "bf16_16x4096")
             n = max(200, args.iters // 4) if big else args.iters
-            row: dict[str, Any] = {}
+            row: dict[str, Any] = {impl.name: {} for impl in impls}
             for mode_name, ring in (("ring", RING), ("perkey", 0)):
-                row[mode_name] = {
-                    "latency": run_pair(scope, ring, label, data, n, "lat"),
-                    "throughput": run_pair(scope, ring, label, data, n, "tput"),
-                }
-            r50 = row["ring"]["latency"]["p50_us"]
-            k50 = row["perkey"]["latency"]["p50_us"]
-            row["p50_speedup"] = round(k50 / r50, 1)
+                for kind, mode in (("latency", "lat"), ("throughput", "tput")):
+                    # Interleaved: before, after, one run each.
+                    for impl in impls:
+                        row[impl.name].setdefault(mode_name, {})[kind] = run_pair(
+                            impl, scopes[impl.name], ring, label, data, n, mode
+                        )
+            for impl in impls:
+                r = row[impl.name]
+                r50 = r["ring"]["latency"]["p50_us"]
+                k50 = r["perkey"]["latency"]["p50_us"]
+                r["p50_speedup"] = round(k50 / r50, 1)
+                print(
+                    f"# {label} {impl.name}: ring p50 {r50} us, per-key p50 {k50} "
+                    f"us, ring {r['ring']['throughput']['msgs_per_s']} msgs/s",
+                    file=sys.stderr,
+                )
             result["results"][label] = row
-            print(
-                f"# {label}: ring p50 {r50} us, per-key p50 {k50} us", file=sys.stderr
-            )
         if args.skip_extras:
             return _finish(result, args)
+        flood: dict[str, Any] = {}
+        for label in ("4KiB", "64KiB"):
+            data = payloads()[label]
+            flood[label] = {impl.name: {} for impl in impls}
+            for mode_name, ring in (("ring", RING), ("perkey", 0)):
+                for impl in impls:
+                    res = run_pair(
+                        impl, scopes[impl.name], ring, label, data, args.iters, "flood"
+                    )
+                    flood[label][impl.name][mode_name] = res
+                    print(
+                        f"# flood {label} {impl.name} {mode_name}: "
+                        f"{res['msgs_per_s']} msgs/s, fallbacks {res['fallbacks']}",
+                        file=sys.stderr,
+                    )
+        result["flood"] = flood
+        # Three rounds, alternating which implementation goes first; the
+        # median of the rounds' p50s.
+        result["put_get_cost"] = {}
+        for label in ("4KiB", "64KiB"):
+            rounds: dict[str, list[dict[str, Any]]] = {i.name: [] for i in impls}
+            for rnd in range(3):
+                for impl in impls if rnd % 2 == 0 else impls[::-1]:
+                    rounds[impl.name].append(
+                        put_get_cost(
+                            impl, scopes[impl.name], payloads()[label], args.iters
+                        )
+                    )
+            result["put_get_cost"][label] = {
+                name: {
+                    k: sorted(r[k] for r in rs)[1] for k in ("put_p50_us", "get_p50_us")
+                }
+                for name, rs in rounds.items()
+            }
+        result["fence"] = fence_cost(args.polls)
         result["empty_poll"] = {
-            "ring_ns": round(empty_poll(scope, RING, args.polls), 1),
-            "perkey_ns": round(empty_poll(scope, 0, args.polls), 1),
-            "ring_syscalls": empty_poll_syscalls(RING, 100000),
-            "perkey_syscalls": empty_poll_syscalls(0, 100000),
+            impl.name: {
+                "ring_ns": round(
+                    empty_poll(impl, scopes[impl.name], RING, args.polls), 1
+                ),
+                "perkey_ns": round(
+                    empty_poll(impl, scopes[impl.name], 0, args.polls), 1
+                ),
+                "ring_syscalls": empty_poll_syscalls(impl, RING, 100000),
+                "perkey_syscalls": empty_poll_syscalls(impl, 0, 100000),
+            }
+            for impl in impls
         }
-        result["fallback_put_4KiB"] = fallback_put(
-            scope, payloads()["4KiB"], min(args.iters, 1000)
-        )
+        result["fallback_put_4KiB"] = {
+            impl.name: fallback_put(
+                impl, scopes[impl.name], payloads()["4KiB"], min(args.iters, 1000)
+            )
+            for impl in impls
+        }
     finally:
-        shutil.rmtree(scope_dir(scope), ignore_errors=True)
+        for scope in scopes.values():
+            shutil.rmtree(scope_dir(scope), ignore_errors=True)
     _finish(result, args)
 
 
