@@ -46,10 +46,11 @@ class SessionFiles:
     A file left behind is attributed to this session when (a) one of its
     processes (pytest and every descendant: servers, EngineCore, workers) had
     it open or mapped, sampled from /proc every ``interval`` seconds, or (b)
-    its name carries the pid of one of those processes (``torch_<pid>_...``,
-    ``vart-test-<pid>-...``). Entries of other sessions match neither. A file
-    created and closed between two samples, without a pid in its name, goes
-    unnoticed: the guard cannot tell whose it is.
+    its name, or the name of a file directly in it, carries the pid of one of
+    those processes (``torch_<pid>_...``, ``vart-test-<pid>-...``). Entries of
+    other sessions match neither. A file created and closed between two
+    samples, without a pid in its name, goes unnoticed: the guard cannot tell
+    whose it is.
     """
 
     def __init__(self, interval: float = 0.5):
@@ -87,7 +88,9 @@ class SessionFiles:
     def ours(self, root: str, names: set[str]) -> list[str]:
         found = []
         for name in sorted(names):
-            numbers = {int(n) for n in re.findall(r"\d+", name)}
+            # a folder's own files may carry the pid (``<root>/<dir>/x-<pid>``)
+            tagged = [name, *_entries(os.path.join(root, name))]
+            numbers = {int(n) for s in tagged for n in re.findall(r"\d+", s)}
             if name in self.touched[root] or numbers & self.pids:
                 found.append(name)
         return found

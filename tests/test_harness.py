@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,9 @@ def test_leak_guard_counts_only_what_this_session_used():
     )  # fmt: skip
     orphan_pid = int(orphan.stdout.strip())
     tagged = f"torch_{child.pid}_{tag}"
+    folder = f"fork-guard-folder-{tag}"  # holds a file named with our pid
+    os.mkdir(f"/dev/shm/{folder}")
+    open(f"/dev/shm/{folder}/ring-{child.pid}-{tag}", "w").close()
     session = SessionFiles()
     try:
         deadline = time.monotonic() + 20
@@ -113,3 +117,4 @@ def test_leak_guard_counts_only_what_this_session_used():
         for name in (held, other):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
+        shutil.rmtree(f"/dev/shm/{folder}", ignore_errors=True)

@@ -148,6 +148,7 @@ def test_readme_hand_serve_recipe_works_as_written():
     """README's `make serve` and its client code, unchanged but for the port
     (8000 may be taken on a shared machine); Ctrl-C stops everything."""
     from server import _group_alive, free_port
+    from test_demo import left_in_cache_tmp
 
     server_cmd = _readme_block("server").split("#", 1)[0].split()
     assert server_cmd == ["make", "serve"]
@@ -194,5 +195,5 @@ def test_readme_hand_serve_recipe_works_as_written():
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _group_alive(proc.pid), "server processes survived Ctrl-C"
-    left = sorted(p.name for p in set((CACHE / "tmp").iterdir()) - tmp_before)
+    left = left_in_cache_tmp(tmp_before)
     assert left == [], f"hand-served run left files in .cache/tmp: {left}"
