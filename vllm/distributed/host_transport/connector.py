@@ -323,7 +323,9 @@ class HostTransportConnector:
     def _put_locked(
         self, from_stage: Any, to_stage: Any, key: str, data: Any
     ) -> tuple[bool, int, dict[str, Any] | None]:
-        scope = self._check_open()
+        scope = self._scope
+        if self._closed or scope is None or self._owner_pid != _this_pid:
+            scope = self._check_open()  # raises
         if type(key) is not str and not isinstance(key, str):
             raise TypeError("key must be a str")
         edge_key = (from_stage, to_stage)
@@ -351,19 +353,19 @@ class HostTransportConnector:
         # ring (a receiver takes a key's latest record), or a tombstone there
         # must supersede it. A busy segment lock means a receiver is taking
         # that segment now; the new version then replaces it in place.
-        stuck_ring = False
-        stuck_segment = False
+        stuck_ring = stuck_segment = False
         rest: list[_Placement] = []
-        for p in previous or ():
-            if p.edge != edge_key:
-                rest.append(p)
-            elif self._retire(scope, p) is _BUSY:
-                if p.ring_pos is None:
-                    stuck_segment = True
-                else:
-                    stuck_ring = True
-                    edge.pending.append(p)
-                    stats["retire_deferred"] += 1
+        if previous:
+            for p in previous:
+                if p.edge != edge_key:
+                    rest.append(p)
+                elif self._retire(scope, p) is _BUSY:
+                    if p.ring_pos is None:
+                        stuck_segment = True
+                    else:
+                        stuck_ring = True
+                        edge.pending.append(p)
+                        stats["retire_deferred"] += 1
 
         pos: int | None = None
         ring: ringmod.ProducerRing | None = None
