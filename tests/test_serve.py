@@ -123,12 +123,19 @@ def test_wrapper_returns_the_servers_status_and_removes_its_tmpdir(monkeypatch):
         "open(os.path.join(t, 'vllm_dist_x'), 'w').close(); "
         f"pathlib.Path({str(record)!r}).write_text(t); sys.exit(3)"
     )
-    monkeypatch.setattr(
-        serve, "serve_command", lambda argv: [sys.executable, "-c", code]
-    )
+    seen = {}
+
+    def fake_command(argv):
+        # building the tiny model (torch) happens here: TMPDIR must be set
+        seen["TMPDIR"] = os.environ["TMPDIR"]
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(serve, "serve_command", fake_command)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # main() sets its own
     try:
         assert serve.main(["m"]) == 3
         tmpdir = Path(record.read_text())
+        assert seen["TMPDIR"] == str(tmpdir), "the wrapper itself wrote to /tmp"
         assert tmpdir.parent == CACHE / "tmp" and tmpdir.name.startswith("run-serve-")
         assert not tmpdir.exists(), "the wrapper left its TMPDIR behind"
     finally:

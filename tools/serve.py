@@ -32,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,10 +101,14 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    cmd = serve_command(argv)
     env = serve_env(base)
     tmpdir = run_tmpdir("serve")
     env["TMPDIR"] = str(tmpdir)
+    # This process too: building the tiny model imports torch, which must not
+    # write to /tmp either.
+    os.environ.update(env)
+    tempfile.tempdir = None
+    cmd = serve_command(argv)
     harness = "CPU harness on" if base == "cpu" else "CPU harness off"
     print(f"[serve] {base} base, {harness}; caches under {CACHE}", flush=True)
     print(f"[serve] {' '.join(cmd)}", flush=True)
