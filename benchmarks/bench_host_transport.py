@@ -448,6 +448,7 @@ def main() -> None:
         "payload_note": "{'codes': int64 tensor} unless named otherwise",
         "results": {},
     }
+    turn = 0
     try:
         only = set(args.only.split(",")) if args.only else None
         for label, data in payloads().items():
@@ -458,8 +459,11 @@ def main() -> None:
             row: dict[str, Any] = {impl.name: {} for impl in impls}
             for mode_name, ring in (("ring", RING), ("perkey", 0)):
                 for kind, mode in (("latency", "lat"), ("throughput", "tput")):
-                    # Interleaved: before, after, one run each.
-                    for impl in impls:
+                    # Interleaved, one run each, the order alternating from
+                    # one pair to the next (the second of a pair can land on
+                    # a differently loaded machine).
+                    turn += 1
+                    for impl in impls if turn % 2 else impls[::-1]:
                         row[impl.name].setdefault(mode_name, {})[kind] = run_pair(
                             impl, scopes[impl.name], ring, label, data, n, mode
                         )
@@ -481,7 +485,8 @@ def main() -> None:
             data = payloads()[label]
             flood[label] = {impl.name: {} for impl in impls}
             for mode_name, ring in (("ring", RING), ("perkey", 0)):
-                for impl in impls:
+                turn += 1
+                for impl in impls if turn % 2 else impls[::-1]:
                     res = run_pair(
                         impl, scopes[impl.name], ring, label, data, args.iters, "flood"
                     )
