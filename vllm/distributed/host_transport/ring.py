@@ -100,8 +100,8 @@ def _tso_fence() -> None:
     """x86-64 keeps stores in order with stores and loads with loads and with
     later stores (TSO); the ring's four orderings are all of those kinds, so
     the CPU needs no fence instruction. A real fence (libatomic, through
-    ctypes) measured 150-170 ns per call on the benchmark machine, about 0.5 us
-    per message for the three a message takes (docs/benchmarks.md)."""
+    ctypes) measured 250-284 ns per call on the benchmark machine, about
+    0.7 us per message for the three a message takes (docs/benchmarks.md)."""
 
 
 def select_fence(machine: str) -> Callable[[], None] | None:
