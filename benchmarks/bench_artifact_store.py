@@ -1,21 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Benchmark of the artifact store's /dev/shm backend. Prints JSON.
+"""Benchmark of the artifact core in the shapes the engine has. Prints JSON.
 
-Model shape: 48 layers, 128 experts, top-8 -> uint8 rows of 384 bytes;
-hash blocks of 16 tokens (one object = 16 rows = 6 KiB + 64 B envelope).
+Model shape: 48 layers, 128 experts, top-8 (uint8 rows of 384 B); hash
+blocks of 16 tokens (one object: 6 KiB of rows + a 64 B envelope); 256
+running requests. Everything runs through the worker's real path
+(``ArtifactPublisher``: row slab, publication thread, ``/dev/shm`` store)
+and the scheduler's real read path (``read_rows``), and each figure is set
+against copying the same bytes with numpy, measured in the same run:
 
-Measured in one run, each against a plain numpy copy of the same number of
-row bytes (``np.copyto``) in the same process:
-
-* publication (encode + batched put) of one decode step's objects
-  (``--decode-batch`` running requests, so batch/16 blocks complete per step)
-  and of one 8k-token prefill chunk (512 objects);
-* materialisation of a 32k-token request (2048 objects, 12 MiB) from
-  another process, checksums verified, for two layouts: published as four
-  8k prefill chunks, and published one block per batch interleaved with
-  other requests' blocks (decode-heavy worst case);
-* the checksum's share of the materialisation time.
+* ``decode_step``: one decode step of 256 requests in which 16 of them
+  complete a block at unrelated rows. Calling-thread time of handing the
+  step over (``flush``), of buffering its 256 rows (``write_step``), and
+  the publication thread's CPU time per step (process CPU minus the calling
+  thread's, over many steps).
+* ``mixed_step``: an 8k-token prefill chunk (512 blocks) plus 255 decodes.
+* ``materialise_*``: reading back a finished 32k-token request (2048
+  objects, 12 MiB: checksums, envelopes, copy), published as prefill chunks
+  (adjacent) or one block per step among 15 other requests (interleaved).
+* ``stall``: the worst and 99.9th-percentile calling-thread time of a step
+  over 10,000 steps (write + flush; a 1 ms sleep stands in for the GPU)
+  while arenas are started and evicted, the log is compacted and stale
+  stores of dead writers are collected.
 
 Run: ``.venv/bin/python benchmarks/bench_artifact_store.py``
 """
@@ -41,273 +47,414 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import time
 import uuid
 
 import numpy as np
 
+from vllm.distributed.artifact_connector.buffer import RowSlab
+from vllm.distributed.artifact_connector.protocol import (
+    ArtifactSchedulerMeta,
+    AttemptStart,
+    BlockHashes,
+    Finalize,
+    Release,
+)
+from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
 from vllm.distributed.artifact_connector.request_core import (
     KeySpace,
     RowSpec,
-    plan_coverage,
-    publish_rows,
-    read_request,
+    read_rows,
 )
-from vllm.distributed.artifact_connector.shm import ShmObjectStore, make_namespace
-from vllm.distributed.artifact_connector.store import checksum_function
+from vllm.distributed.artifact_connector.shm import (
+    ShmStoreReader,
+    ShmStoreWriter,
+    make_namespace,
+)
+from vllm.distributed.artifact_connector.store import checksum
 
-LAYERS, EXPERTS, TOP_K, BLOCK = 48, 128, 8, 16
+LAYERS, EXPERTS, TOP_K, B = 48, 128, 8, 16
 SPEC = RowSpec.for_experts(LAYERS, TOP_K, EXPERTS)
-KS = KeySpace("bench", "w0")
+RUNNING = 256
 
 
-def block_hashes(req: int, n: int) -> list[bytes]:
-    return [hashlib.sha256(b"%d-%d" % (req, b)).digest() for b in range(n)]
+def bh(req: str, b: int) -> bytes:
+    return hashlib.sha256(f"{req}/{b}".encode()).digest()
 
 
-def rows_for(req: int, n: int) -> np.ndarray:
-    rng = np.random.default_rng(req)
-    return rng.integers(0, EXPERTS, (n, LAYERS, TOP_K), dtype=np.uint8)
+def rows_for(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(
+        0, EXPERTS, (n, LAYERS, TOP_K), np.uint8
+    )
 
 
-def timeit(fn, reps: int) -> float:
-    return timeit_stats(fn, reps)[0]
-
-
-def timeit_stats(fn, reps: int) -> tuple[float, float]:
-    """(median, mean) of ``reps`` timed calls after one warm-up call. The
-    mean includes the occasional call that starts (allocates and maps) a
-    fresh arena; the median is the steady state."""
-    fn()
+def copy_time(nbytes: int, reps: int = 50) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
+        np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), statistics.fmean(times)
+    return statistics.median(times)
 
 
-def memcpy_baseline(nbytes: int, reps: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    return timeit(lambda: np.copyto(dst, src), reps)
+class Engine:
+    """The worker side as the engine drives it, on a real store."""
+
+    def __init__(self, root: str, capacity: int, arena: int | None = None, **kw):
+        ns = make_namespace("bench", uuid.uuid4().hex)
+        self.writer = ShmStoreWriter(
+            root, ns, capacity_bytes=capacity, arena_bytes=arena, **kw
+        )
+        self.slab = RowSlab.for_scheduler(
+            SPEC,
+            B,
+            max_num_seqs=RUNNING,
+            max_num_batched_tokens=8192,
+            steps_in_flight=4,
+        )
+        self.pub = ArtifactPublisher(self.writer, SPEC, self.slab, KeySpace(ns))
+        self.root, self.ns = root, ns
+        self.pos: dict[str, int] = {}
+        self.hashed: dict[str, int] = {}
+
+    def start(self, reqs: list[str]) -> None:
+        self.pub.apply(
+            ArtifactSchedulerMeta(starts=tuple(AttemptStart(r, 0, 0) for r in reqs))
+        )
+        for r in reqs:
+            self.pos[r] = 0
+            self.hashed[r] = 0
+
+    def step_inputs(self, counts: dict[str, int]) -> tuple:
+        """Scheduler messages (hashes of blocks these rows complete) and the
+        rows of one step."""
+        hashes = []
+        for r, n in counts.items():
+            end = self.pos[r] + n
+            nb = end // B
+            if nb > self.hashed[r]:
+                hashes.append(
+                    BlockHashes(
+                        r,
+                        0,
+                        self.hashed[r],
+                        tuple(bh(r, b) for b in range(self.hashed[r], nb)),
+                    )
+                )
+                self.hashed[r] = nb
+        attempts = [(r, 0) for r in counts]
+        starts = [self.pos[r] for r in counts]
+        for r, n in counts.items():
+            self.pos[r] += n
+        rows = rows_for(len(counts), sum(counts.values()))
+        return (
+            ArtifactSchedulerMeta(hashes=tuple(hashes)),
+            attempts,
+            starts,
+            list(counts.values()),
+            rows,
+        )
+
+    def close(self) -> None:
+        self.pub.close()
 
 
-def reader_main(args: argparse.Namespace) -> None:
-    store = ShmObjectStore.open_reader(args.root, args.namespace)
-    num_rows = args.tokens
-    out = {}
-    for layout, req in (("prefill_chunks", 1), ("decode_interleaved", 2)):
-        hashes = block_hashes(req, num_rows // BLOCK)
-        segs = plan_coverage(KS, BLOCK, num_rows, hashes)
-        expect = rows_for(req, num_rows)
-        got = read_request(store, SPEC, segs, num_rows)
-        if not np.array_equal(got, expect):
-            raise SystemExit("materialised rows differ from the published rows")
-        keys = [s.key for s in segs]
-        t_mat = timeit(lambda s=segs: read_request(store, SPEC, s, num_rows), args.reps)
-        batch = store.get_batch(keys)
-        fn = checksum_function(store.checksum_algorithm)
-        mv = batch.data.data
-        offs, lens = batch.offsets.tolist(), batch.lengths.tolist()
-        ends = [o + ln for o, ln in zip(offs, lens)]
+def count_thread_cpu(pub: ArtifactPublisher) -> list[int]:
+    """Accumulate the publication thread's CPU time spent on work items
+    (``_process``; the idle upkeep is not counted) into the returned list's
+    single element, in nanoseconds. Benchmark-side instrumentation."""
+    total = [0]
+    process = pub._process
 
-        def checksums(mv=mv, offs=offs, ends=ends, fn=fn):
-            # The same per-object hashing the read path does, on a copy.
-            return list(map(fn, map(mv.__getitem__, map(slice, offs, ends))))
+    def timed(work):
+        t0 = time.thread_time_ns()
+        process(work)
+        total[0] += time.thread_time_ns() - t0
 
-        t_sum = timeit(checksums, args.reps)
-        out[layout] = {"seconds": t_mat, "checksum_seconds": t_sum}
-    base = memcpy_baseline(num_rows * SPEC.row_nbytes, args.reps)
-    out["memcpy_seconds"] = base
-    store.close()
-    print(json.dumps(out))
+    pub._process = timed  # type: ignore[method-assign]
+    return total
+
+
+def decode_counts(step: int) -> dict[str, int]:
+    return {f"d{i}": 1 for i in range(RUNNING)}
+
+
+def bench_decode_step(root: str, steps: int) -> dict:
+    eng = Engine(root, 8 << 30)
+    reqs = [f"d{i}" for i in range(RUNNING)]
+    eng.start(reqs)
+    # Stagger the requests so that 16 of the 256 complete a block per step.
+    for i, r in enumerate(reqs):
+        eng.pos[r] = (i % B) + 1
+        eng.pub.write_step([(r, 0)], [0], [eng.pos[r]], rows_for(i, eng.pos[r]))
+    eng.pub.flush()
+    eng.pub.wait_idle(60)
+    flush_t, write_t, blocks = [], [], []
+    cpu = count_thread_cpu(eng.pub)
+    for s in range(steps):
+        meta, att, st, cnt, rows = eng.step_inputs(decode_counts(s))
+        eng.pub.apply(meta)
+        t0 = time.perf_counter()
+        eng.pub.write_step(att, st, cnt, rows)
+        t1 = time.perf_counter()
+        eng.pub.flush()
+        t2 = time.perf_counter()
+        write_t.append(t1 - t0)
+        flush_t.append(t2 - t1)
+        blocks.append(len(meta.hashes))
+        eng.pub.report()
+        time.sleep(0.002)  # the GPU step: the thread publishes meanwhile
+    eng.pub.wait_idle(60)
+    pub_cpu = cpu[0] / 1e9
+    eng.close()
+    per_step_blocks = statistics.fmean(blocks)
+    nbytes = int(per_step_blocks * B * SPEC.row_nbytes)
+    base = copy_time(nbytes)
+    pub_step = pub_cpu / steps
+    return {
+        "blocks_per_step": per_step_blocks,
+        "bytes_per_step": nbytes,
+        "flush_us_median": statistics.median(flush_t) * 1e6,
+        "flush_us_p99": float(np.percentile(flush_t, 99)) * 1e6,
+        "write_step_256_rows_us_median": statistics.median(write_t) * 1e6,
+        "publication_cpu_us_per_step": pub_step * 1e6,
+        "copy_us": base * 1e6,
+        "publication_cpu_over_copy": pub_step / base,
+    }
+
+
+def bench_mixed_step(root: str, steps: int) -> dict:
+    eng = Engine(root, 8 << 30)
+    dec = [f"d{i}" for i in range(RUNNING - 1)]
+    eng.start(dec)
+    for i, r in enumerate(dec):
+        eng.pos[r] = (i % B) + 1
+        eng.pub.write_step([(r, 0)], [0], [eng.pos[r]], rows_for(i, eng.pos[r]))
+    flush_t, write_t = [], []
+    cpu = count_thread_cpu(eng.pub)
+    for s in range(steps):
+        pre = f"p{s}"
+        eng.start([pre])
+        counts = {pre: 8192, **{r: 1 for r in dec}}
+        meta, att, st, cnt, rows = eng.step_inputs(counts)
+        eng.pub.apply(meta)
+        t0 = time.perf_counter()
+        eng.pub.write_step(att, st, cnt, rows)
+        t1 = time.perf_counter()
+        eng.pub.flush()
+        t2 = time.perf_counter()
+        write_t.append(t1 - t0)
+        flush_t.append(t2 - t1)
+        eng.pub.wait_idle(60)  # one chunk per step, measured alone
+        eng.pub.apply(ArtifactSchedulerMeta(finalizes=(Finalize(pre, 0, 8192),)))
+        eng.pub.flush()
+        eng.pub.wait_idle(60)
+        eng.pub.apply(ArtifactSchedulerMeta(releases=(Release(pre, 0),)))
+        eng.pub.report()
+    pub_cpu = cpu[0] / 1e9
+    eng.close()
+    nbytes = (8192 + RUNNING - 1) * SPEC.row_nbytes
+    base = copy_time(nbytes, 20)
+    return {
+        "rows_per_step": 8192 + RUNNING - 1,
+        "flush_us_median": statistics.median(flush_t) * 1e6,
+        "write_step_us_median": statistics.median(write_t) * 1e6,
+        "publication_cpu_ms_per_step": pub_cpu / steps * 1e3,
+        "copy_ms": base * 1e3,
+        "publication_cpu_over_copy": pub_cpu / steps / base,
+    }
+
+
+def publish_request(eng: Engine, tokens: int, layout: str) -> tuple:
+    """Publish a finished ``tokens``-row request; returns its ack."""
+    me = "me"
+    if layout == "prefill":
+        eng.start([me])
+        for _ in range(0, tokens, 8192):
+            meta, att, st, cnt, rows = eng.step_inputs({me: 8192})
+            eng.pub.apply(meta)
+            eng.pub.write_step(att, st, cnt, rows)
+            eng.pub.flush()
+    else:
+        others = [f"o{i}" for i in range(15)]
+        eng.start([me, *others])
+        for _ in range(0, tokens, B):
+            meta, att, st, cnt, rows = eng.step_inputs({r: B for r in [me, *others]})
+            eng.pub.apply(meta)
+            eng.pub.write_step(att, st, cnt, rows)
+            eng.pub.flush()
+    eng.pub.apply(ArtifactSchedulerMeta(finalizes=(Finalize(me, 0, tokens),)))
+    eng.pub.flush()
+    eng.pub.wait_idle(120)
+    (ack,) = [a for a in eng.pub.report().acks if a.req_id == me]
+    return ack
+
+
+def bench_materialise(root: str, layout: str, reps: int) -> dict:
+    tokens = 32768
+    eng = Engine(root, 8 << 30)
+    ack = publish_request(eng, tokens, layout)
+    reader = ShmStoreReader(root, eng.ns)
+    out = np.empty((tokens, LAYERS, TOP_K), np.uint8)
+    read_rows(reader, SPEC, ack.refs, tokens, out=out)  # maps the arenas
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        read_rows(reader, SPEC, ack.refs, tokens, out=out)
+        times.append(time.perf_counter() - t0)
+    # The checksums alone, over the same mapped bytes.
+    idx = reader._index
+    slots = reader._locate(ack.refs.keys, ack.refs.checksums).tolist()
+    views = [
+        reader._arena(int(idx.arena[s])).mv[
+            int(idx.off[s]) : int(idx.off[s] + idx.length[s])
+        ]
+        for s in slots
+    ]
+    t0 = time.perf_counter()
+    for v in views:
+        checksum(v)
+    hash_t = time.perf_counter() - t0
+    views.clear()
+    reader.close()
+    eng.close()
+    nbytes = tokens * SPEC.row_nbytes
+    base = copy_time(nbytes, 20)
+    t = statistics.median(times)
+    return {
+        "objects": len(ack.refs),
+        "bytes": nbytes,
+        "ms": t * 1e3,
+        "copy_ms": base * 1e3,
+        "over_copy": t / base,
+        "checksum_share": hash_t / t,
+    }
+
+
+def plant_dead_store(root: str) -> None:
+    ns = make_namespace("dead", uuid.uuid4().hex)
+    path = os.path.join(root, ns)
+    os.mkdir(path, 0o700)
+    fd = os.open(os.path.join(path, "writer.json"), os.O_WRONLY | os.O_CREAT, 0o600)
+    rec = {"format": 2, "pid": 2**22 + 1, "start_ticks": 1, "boot_id": "", "pid_ns": 0}
+    os.write(fd, json.dumps(rec).encode())
+    os.close(fd)
+    for i in range(8):
+        fd = os.open(
+            os.path.join(path, f"{i:016x}.arena"), os.O_WRONLY | os.O_CREAT, 0o600
+        )
+        os.posix_fallocate(fd, 0, 1 << 20)
+        os.close(fd)
+
+
+def bench_stall(root: str, steps: int) -> dict:
+    # A small store (64 MiB, arenas of 4 MiB): arenas are started ahead and
+    # evicted all the time and the log is compacted; a dead writer's store
+    # is planted every 1,000 steps and collected (collection runs every
+    # second). Requests finish at 256 tokens and are replaced, so finished
+    # requests' objects become evictable once the scheduler releases them.
+    eng = Engine(root, 64 << 20, 4 << 20, collect_interval_s=1.0)
+    slots = [f"d{i}" for i in range(RUNNING)]
+    eng.start(slots)
+    for i, r in enumerate(slots):
+        n = i + 1  # staggered: about one request finishes per step
+        eng.pos[r] = n
+        eng.pub.write_step([(r, 0)], [0], [n], rows_for(i, n))
+    step_t = []
+    acks = 0
+    release: list[Release] = []
+    generation = 0
+    for s in range(steps):
+        if s % 1000 == 0:
+            plant_dead_store(root)
+        meta, att, st, cnt, rows = eng.step_inputs({r: 1 for r in slots})
+        finishing = [r for r in slots if eng.pos[r] >= 256]
+        fins = tuple(
+            Finalize(r, 0, eng.pos[r]) for r in finishing if eng.pos[r] % B == 0
+        )
+        meta = ArtifactSchedulerMeta(
+            hashes=meta.hashes, finalizes=fins, releases=tuple(release)
+        )
+        release = []
+        t0 = time.perf_counter()
+        eng.pub.apply(meta)
+        eng.pub.write_step(att, st, cnt, rows)
+        eng.pub.flush()
+        rep = eng.pub.report()
+        step_t.append(time.perf_counter() - t0)
+        if rep.failures:
+            raise RuntimeError(rep.failures[0].message)
+        for ack in rep.acks:
+            acks += 1
+            release.append(Release(ack.req_id, ack.attempt))
+        # Finished requests leave; new ones take their slots next step.
+        for f in fins:
+            slots.remove(f.req_id)
+            generation += 1
+            new = f"g{generation}"
+            slots.append(new)
+            eng.start([new])
+        time.sleep(0.001)
+    eng.pub.wait_idle(60)
+    stats = eng.writer.stats()
+    eng.close()
+    return {
+        "steps": steps,
+        "max_ms": max(step_t) * 1e3,
+        "p999_ms": float(np.percentile(step_t, 99.9)) * 1e3,
+        "median_us": statistics.median(step_t) * 1e6,
+        "requests_finished": acks,
+        "arenas_started": stats.arenas_started,
+        "arenas_started_on_demand": stats.arenas_started_on_demand,
+        "evicted_objects": stats.evicted_objects,
+        "relocated_objects": stats.relocated_objects,
+        "log_compactions": stats.log_compactions,
+        "stores_collected": stats.stores_collected,
+    }
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--prefill-tokens", type=int, default=8192)
-    p.add_argument("--decode-batch", type=int, default=256)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument(
-        "--amortise-chunks",
-        type=int,
-        default=64,
-        help="prefill chunks published back to back for the amortised figure",
-    )
-    p.add_argument("--role", default="main", help=argparse.SUPPRESS)
-    p.add_argument("--root", default="", help=argparse.SUPPRESS)
-    p.add_argument("--namespace", default="", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.role == "reader":
-        reader_main(args)
-        return
-
-    root = f"/dev/shm/vllm-bench-artifacts-{uuid.uuid4().hex[:8]}"
-    store = ShmObjectStore.create(root, make_namespace("bench"), capacity_bytes=2 << 30)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=2000, help="decode steps measured")
+    ap.add_argument("--stall-steps", type=int, default=10_000)
+    ap.add_argument("--reps", type=int, default=20, help="materialisation repetitions")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these parts")
+    args = ap.parse_args()
+    root = f"/dev/shm/vllm-bench-artifacts-{os.getpid()}"
+    result: dict = {
+        "cpu": cpu_model(),
+        "python": platform.python_version(),
+        "load_start": os.getloadavg(),
+    }
+    parts = {
+        "decode_step": lambda: bench_decode_step(root, args.steps),
+        "mixed_step": lambda: bench_mixed_step(root, 20),
+        "materialise_prefill_layout": lambda: bench_materialise(
+            root, "prefill", args.reps
+        ),
+        "materialise_interleaved": lambda: bench_materialise(
+            root, "interleaved", args.reps
+        ),
+        "stall": lambda: bench_stall(root, args.stall_steps),
+    }
     try:
-        result: dict[str, object] = {
-            "shape": {
-                "layers": LAYERS,
-                "experts": EXPERTS,
-                "top_k": TOP_K,
-                "dtype": str(SPEC.dtype),
-                "row_bytes": SPEC.row_nbytes,
-                "hash_block_tokens": BLOCK,
-            },
-            "checksum": store.checksum_algorithm.name,
-            "load_average_at_start": os.getloadavg(),
-            "machine": {
-                "cpu": platform.processor() or platform.machine(),
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-            },
-        }
-        # --- publication: one decode step (batch/16 blocks complete) -------
-        n_dec = max(1, args.decode_batch // BLOCK)
-        dec_rows = rows_for(7, n_dec * BLOCK)
-        step = [0]
-        # Block hashes come from the engine (the prefix cache computed them);
-        # generate them before timing so that only publication is measured.
-        dec_hashes = [block_hashes(1000 + i, n_dec) for i in range(args.reps + 2)]
-
-        def publish_decode():
-            step[0] += 1
-            # Each completed block belongs to another request: new keys.
-            publish_rows(store, KS, SPEC, BLOCK, 0, dec_rows, dec_hashes[step[0]])
-
-        t_dec, m_dec = timeit_stats(publish_decode, args.reps)
-        b_dec = memcpy_baseline(dec_rows.nbytes, args.reps)
-        # --- publication: one 8k prefill chunk --------------------------------
-        pre_rows = rows_for(8, args.prefill_tokens)
-        n_pre = args.prefill_tokens // BLOCK
-        pre_reps = max(5, args.reps // 2)
-        pre_hashes = [block_hashes(5000 + i, n_pre) for i in range(pre_reps + 2)]
-        step[0] = 0
-
-        def publish_prefill():
-            step[0] += 1
-            publish_rows(store, KS, SPEC, BLOCK, 0, pre_rows, pre_hashes[step[0]])
-
-        t_pre, m_pre = timeit_stats(publish_prefill, pre_reps)
-        b_pre = memcpy_baseline(pre_rows.nbytes, args.reps)
-        # Amortised: many prefill chunks back to back, so that the cost of
-        # starting arenas (allocating and mapping their pages) is included.
-        n_am = args.amortise_chunks
-        am_hashes = [block_hashes(70000 + i, n_pre) for i in range(n_am)]
-        started = store.stats().extra.get("arenas_started", 0)
-        t0 = time.perf_counter()
-        for h in am_hashes:
-            publish_rows(store, KS, SPEC, BLOCK, 0, pre_rows, h)
-        t_am = (time.perf_counter() - t0) / n_am
-        started = store.stats().extra.get("arenas_started", 0) - started
-        result["publish"] = {
-            "decode_step": {
-                "objects": n_dec,
-                "bytes": int(dec_rows.nbytes),
-                "seconds": t_dec,
-                "mean_seconds": m_dec,
-                "memcpy_seconds": b_dec,
-                "ratio": t_dec / b_dec,
-            },
-            "prefill_8k": {
-                "objects": n_pre,
-                "bytes": int(pre_rows.nbytes),
-                "seconds": t_pre,
-                "mean_seconds": m_pre,
-                "memcpy_seconds": b_pre,
-                "ratio": t_pre / b_pre,
-                "amortised_seconds": t_am,
-                "amortised_ratio": t_am / b_pre,
-                "amortised_over": {"chunks": n_am, "arenas_started": started},
-            },
-        }
-        # --- the 32k request, two layouts -------------------------------------
-        n_blocks = args.tokens // BLOCK
-        rows1 = rows_for(1, args.tokens)
-        h1 = block_hashes(1, n_blocks)
-        chunk = args.prefill_tokens
-        for lo in range(0, args.tokens, chunk):
-            publish_rows(
-                store,
-                KS,
-                SPEC,
-                BLOCK,
-                lo,
-                rows1[lo : lo + chunk],
-                h1[lo // BLOCK : (lo + chunk) // BLOCK],
-                first_block_hash_index=lo // BLOCK,
-            )
-        rows2 = rows_for(2, args.tokens)
-        h2 = block_hashes(2, n_blocks)
-        other = rows_for(9, BLOCK * (n_dec - 1))
-        for b in range(n_blocks):
-            # One decode step: our block plus other requests' blocks.
-            publish_rows(
-                store,
-                KS,
-                SPEC,
-                BLOCK,
-                b * BLOCK,
-                rows2[b * BLOCK : (b + 1) * BLOCK],
-                h2[b : b + 1],
-                first_block_hash_index=b,
-            )
-            if n_dec > 1:
-                publish_rows(
-                    store, KS, SPEC, BLOCK, 0, other, block_hashes(90000 + b, n_dec - 1)
-                )
-        proc = subprocess.run(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--role",
-                "reader",
-                "--root",
-                root,
-                "--namespace",
-                store.namespace,
-                "--tokens",
-                str(args.tokens),
-                "--reps",
-                str(args.reps),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        rd = json.loads(proc.stdout.strip().splitlines()[-1])
-        base = rd.pop("memcpy_seconds")
-        mat = {"objects": n_blocks, "bytes": int(rows1.nbytes), "memcpy_seconds": base}
-        for layout, v in rd.items():
-            mat[layout] = {
-                "seconds": v["seconds"],
-                "ratio": v["seconds"] / base,
-                "checksum_seconds": v["checksum_seconds"],
-                "checksum_share": v["checksum_seconds"] / v["seconds"],
-            }
-        result["materialize_32k_other_process"] = mat
-        result["targets"] = {
-            "materialize_within_3x": all(
-                mat[k]["ratio"] <= 3.0  # type: ignore[index]
-                for k in ("prefill_chunks", "decode_interleaved")
-            ),
-            "publish_within_5x": all(
-                v["ratio"] <= 5.0
-                for v in result["publish"].values()  # type: ignore[attr-defined]
-            ),
-        }
-        result["store_stats"] = {
-            "objects": store.stats().objects,
-            "used_bytes": store.stats().used_bytes,
-        }
-        result["load_average_at_end"] = os.getloadavg()
-        print(json.dumps(result, indent=2))
+        for name, fn in parts.items():
+            if args.only is None or name in args.only:
+                result[name] = fn()
     finally:
-        store.close()
         shutil.rmtree(root, ignore_errors=True)
+    result["load_end"] = os.getloadavg()
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,14 @@ def put(writer, items, owner=None):
             o += len(v)
 
     lengths = np.array([len(v) for v in values], np.int64)
-    return writer.put_batch([k for k, _ in items], lengths, fill, owner=owner)
+    owners = None if owner is None else [owner] * len(items)
+    return writer.put_batch([k for k, _ in items], lengths, fill, owners=owners)
+
+
+def read_refs(reader, refs, out, spans, **kw):
+    """``read_into`` for a list of :class:`ObjectRef`."""
+    sums = np.array([r.checksum for r in refs], np.uint64)
+    reader.read_into([r.key for r in refs], sums, out, np.asarray(spans), **kw)
 
 
 def read(reader, refs):
@@ -39,7 +46,7 @@ def read(reader, refs):
     out = np.zeros(sum(lens), np.uint8)
     dst = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
     spans = np.stack([np.zeros(len(refs), np.int64), np.array(lens), dst], axis=1)
-    reader.read_into(list(refs), out, spans)
+    read_refs(reader, refs, out, spans)
     return [out[d : d + n].tobytes() for d, n in zip(dst.tolist(), lens)]
 
 

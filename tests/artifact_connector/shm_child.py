@@ -114,10 +114,10 @@ def reader(root, ns, total, size, wait_all):
             if i in seen:
                 continue
             v = payload(i, size)
-            ref = store.ObjectRef(key(i), store.checksum(v), size)
+            sums = np.array([store.checksum(v)], np.uint64)
             out = np.zeros(size, np.uint8)
             try:
-                r.read_into([ref], out, np.array([[0, size, 0]]))
+                r.read_into([key(i)], sums, out, np.array([[0, size, 0]]))
             except store.ObjectMissingError:
                 continue
             if out.tobytes() != v:

@@ -29,7 +29,7 @@ from vllm.distributed.artifact_connector.protocol import (
     Discard,
     Finalize,
     FinalizeAck,
-    PublishedRef,
+    ObjectRefs,
     Release,
 )
 from vllm.distributed.artifact_connector.request_core import RowSpec
@@ -164,7 +164,10 @@ def _messages():
             progress=(CommitProgress("req-1", 0, 64),),
             acks=(
                 FinalizeAck(
-                    "req-1", 0, 16, (PublishedRef("ab" * 32, 0, 16, 2**63, "v"),)
+                    "req-1",
+                    0,
+                    16,
+                    ObjectRefs.build(["ab" * 32], [0], [16], [2**63], ["v"]),
                 ),
             ),
             failures=(AttemptFailed("r3", 0, "StoreCapacityError", "full"),),

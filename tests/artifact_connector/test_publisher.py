@@ -154,7 +154,7 @@ def test_full_life_cycle_with_a_sibling_prefix_hit_and_prompt_start(h):
     np.testing.assert_array_equal(r2[8:12], routes(2, 4))
     np.testing.assert_array_equal(r2[12:], routes(3, 3))
     np.testing.assert_array_equal(h.read("r2", first_row=10), r2[10:])
-    assert [x.start for x in h.acks["r2"].refs] == [0, 4, 8, 12]
+    assert h.acks["r2"].refs.starts.tolist() == [0, 4, 8, 12]
     assert h.writer.stats().retainers == 2
     h.step(ArtifactSchedulerMeta(releases=(Release("r1", 0), Release("r2", 0))))
     assert h.writer.stats().retained_keys == 0
@@ -240,7 +240,7 @@ def test_weight_versions_per_block(h):
     # The request keeps its own rows across the update; each block carries
     # the version that computed (the first row of) it.
     np.testing.assert_array_equal(h.read("old"), v1)
-    assert [r.weight_version for r in h.acks["old"].refs] == ["0", "0"]
+    assert h.acks["old"].refs.weight_versions == ("0", "0")
     # A prefix hit on those blocks under the new weights fails loudly.
     h.step(
         ArtifactSchedulerMeta(starts=(AttemptStart("hit", 0, 8, hashes[:2]),)),
@@ -259,7 +259,7 @@ def test_weight_versions_per_block(h):
         [("new", 0, 0, routes(9, 8))],
     )
     h.step(ArtifactSchedulerMeta(finalizes=(Finalize("new", 0, 8, None),)))
-    assert [r.weight_version for r in h.acks["new"].refs] == ["w2", "w2"]
+    assert h.acks["new"].refs.weight_versions == ("w2", "w2")
 
 
 def test_a_missing_prefix_object_is_a_typed_failure(h):

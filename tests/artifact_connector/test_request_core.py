@@ -4,12 +4,12 @@
 through a real /dev/shm store."""
 
 import os
-from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
-from vllm.distributed.artifact_connector.protocol import PublishedRef
+from vllm.distributed.artifact_connector.protocol import ObjectRefs
 from vllm.distributed.artifact_connector.request_core import (
     ENVELOPE_NBYTES,
     CoverageError,
@@ -29,7 +29,6 @@ from vllm.distributed.artifact_connector.shm import (
 from vllm.distributed.artifact_connector.store import (
     ChecksumMismatchError,
     ObjectMissingError,
-    ObjectSizeError,
     checksum,
 )
 from vllm.utils.hashing import sha256
@@ -37,6 +36,22 @@ from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 
 init_none_hash(sha256)
 SPEC = RowSpec(3, 2, np.dtype(np.int16))
+
+
+class Ref(NamedTuple):
+    """One object of a request, as the tests manipulate it."""
+
+    key: str
+    start: int
+    num_rows: int
+    checksum: int
+    weight_version: str
+
+
+def table(refs: list[Ref]) -> ObjectRefs:
+    return ObjectRefs.build(*([list(c) for c in zip(*refs)] if refs else [[]] * 5))
+
+
 KS = KeySpace("0123456789abcdef0123456789abcdef")
 
 
@@ -96,10 +111,14 @@ def _publish(writer, rows, block, version="v1", start=0):
     starts = [start + c for c in cuts]
     lengths = np.array([SPEC.object_nbytes(len(p)) for p in pieces], np.int64)
     res = writer.put_batch(
-        keys, lengths, lambda buf: encode_objects(SPEC, keys, starts, pieces, buf)
+        keys,
+        lengths,
+        lambda buf: encode_objects(
+            SPEC, keys, starts, [p.data.cast("B") for p in pieces], buf
+        ),
     )
     return [
-        PublishedRef(k, s, len(p), ref.checksum, version)
+        Ref(k, s, len(p), ref.checksum, version)
         for k, s, p, ref in zip(keys, starts, pieces, res.refs)
     ]
 
@@ -118,12 +137,12 @@ def test_round_trip_and_prompt_start(store):
     truth = np.random.default_rng(0).integers(0, 300, (45, 3, 2)).astype(np.int16)
     refs = _publish(w, truth, 16)
     assert [x.num_rows for x in refs] == [16, 16, 13]
-    np.testing.assert_array_equal(read_rows(r, SPEC, refs, 45), truth)
+    np.testing.assert_array_equal(read_rows(r, SPEC, table(refs), 45), truth)
     for first in (0, 1, 16, 17, 44, 45):
-        got = read_rows(r, SPEC, refs, 45, first_row=first)
+        got = read_rows(r, SPEC, table(refs), 45, first_row=first)
         np.testing.assert_array_equal(got, truth[first:])
     out = np.zeros((45 - 20, 3, 2), np.int16)
-    assert read_rows(r, SPEC, refs, 45, first_row=20, out=out) is out
+    assert read_rows(r, SPEC, table(refs), 45, first_row=20, out=out) is out
     np.testing.assert_array_equal(out, truth[20:])
 
 
@@ -135,9 +154,9 @@ def test_objects_before_the_prompt_start_are_not_read(store, shm_root):
     # row 16 on never does.
     _flip_byte(w, 5)
     with pytest.raises(ChecksumMismatchError):
-        read_rows(r, SPEC, refs, 64)
+        read_rows(r, SPEC, table(refs), 64)
     np.testing.assert_array_equal(
-        read_rows(r, SPEC, refs, 64, first_row=16), truth[16:]
+        read_rows(r, SPEC, table(refs), 64, first_row=16), truth[16:]
     )
 
 
@@ -150,29 +169,29 @@ def test_envelope_and_coverage_mismatches_raise_and_leave_out_untouched(store):
         # a reference that points at another object's key but claims rows
         # the envelope does not describe
         (
-            [replace(refs[1], start=0), replace(refs[0], start=16), refs[2]],
+            [refs[1]._replace(start=0), refs[0]._replace(start=16), refs[2]],
             EnvelopeError,
         ),
         (
-            [refs[0], replace(refs[2], start=16), replace(refs[1], start=24)],
+            [refs[0], refs[2]._replace(start=16), refs[1]._replace(start=24)],
             EnvelopeError,
         ),
         ([refs[0], refs[1]], CoverageError),
         ([refs[0], refs[0], refs[2]], CoverageError),
-        ([refs[0], replace(refs[1], checksum=1), refs[2]], ObjectMissingError),
+        ([refs[0], refs[1]._replace(checksum=1), refs[2]], ObjectMissingError),
     ]
     for bad, err in cases:
         with pytest.raises(err):
-            read_rows(r, SPEC, bad, 40, out=out)
+            read_rows(r, SPEC, table(bad), 40, out=out)
         assert (out == 7).all()
     # Another row format: the objects do not have the size it implies.
-    with pytest.raises(ObjectSizeError):
-        read_rows(r, RowSpec(3, 2, np.dtype(np.uint8)), refs, 40)
+    with pytest.raises(EnvelopeError, match="bytes"):
+        read_rows(r, RowSpec(3, 2, np.dtype(np.uint8)), table(refs), 40)
     # Same size, other layout: the envelope names the difference.
     with pytest.raises(EnvelopeError, match="int16"):
-        read_rows(r, RowSpec(6, 1, np.dtype(np.int16)), refs, 40)
+        read_rows(r, RowSpec(6, 1, np.dtype(np.int16)), table(refs), 40)
     with pytest.raises(ValueError):
-        read_rows(r, SPEC, refs, 40, out=np.zeros((40, 3, 2), np.uint8))
+        read_rows(r, SPEC, table(refs), 40, out=np.zeros((40, 3, 2), np.uint8))
 
 
 def _flip_byte(writer, offset):
@@ -193,7 +212,7 @@ def test_a_changed_byte_fails_the_checksum(store, shm_root):
     out = np.full((32, 3, 2), 7, np.int16)
     _flip_byte(w, SPEC.object_nbytes(16) + 64 + 3)  # inside object 1's payload
     with pytest.raises(ChecksumMismatchError):
-        read_rows(r, SPEC, refs, 32, out=out)
+        read_rows(r, SPEC, table(refs), 32, out=out)
     assert (out == 7).all()
 
 
@@ -201,29 +220,38 @@ def test_encode_writes_a_self_describing_envelope():
     rows = np.arange(2 * 6, dtype=np.int16).reshape(2, 3, 2)
     key = KS.key("v1", b"h", 2, tail=True)
     buf = np.zeros(SPEC.object_nbytes(2), np.uint8)
-    (whole,) = encode_objects(SPEC, [key], [30], [rows], buf, tails=[True])
+    (whole,) = encode_objects(
+        SPEC, [key], [30], [rows.data.cast("B")], buf, tails=[True]
+    )
     assert int(whole) == checksum(buf)
     assert buf[: rows.nbytes].tobytes() == rows.tobytes()
     env = buf[-ENVELOPE_NBYTES:]
     assert env[:4].tobytes() == b"VART"
-    assert env[28:60].tobytes().hex() == key
-    assert int.from_bytes(env[12:16].tobytes(), "little") == 30  # start
-    assert int.from_bytes(env[20:28].tobytes(), "little") == checksum(rows.tobytes())
+    assert int.from_bytes(env[12:16].tobytes(), "little") == 30  # first row
+    assert int.from_bytes(env[16:20].tobytes(), "little") == 2  # rows
+    assert int.from_bytes(env[24:32].tobytes(), "little") == checksum(rows.tobytes())
+    assert env[32:64].tobytes().hex() == key
+    with pytest.raises(EnvelopeError):  # not a whole number of rows
+        encode_objects(SPEC, [key], [0], [rows.data.cast("B")[:-1]], buf[:-1])
     with pytest.raises(EnvelopeError):
-        encode_objects(SPEC, [key], [0], [rows.astype(np.uint8)], buf)
-    with pytest.raises(EnvelopeError):
-        encode_objects(SPEC, [key], [0], [rows], np.zeros(buf.shape[0] + 1, np.uint8))
+        encode_objects(
+            SPEC,
+            [key],
+            [0],
+            [rows.data.cast("B")],
+            np.zeros(buf.shape[0] + 1, np.uint8),
+        )
 
 
 def test_check_coverage():
     refs = [
-        PublishedRef("a" * 64, 0, 16, 1, "v"),
-        PublishedRef("b" * 64, 16, 4, 2, "v"),
+        Ref("a" * 64, 0, 16, 1, "v"),
+        Ref("b" * 64, 16, 4, 2, "v"),
     ]
-    check_coverage(refs, 20)
+    check_coverage(table(refs), 20)
     with pytest.raises(CoverageError, match="gap"):
-        check_coverage(refs[1:], 4)
+        check_coverage(table(refs[1:]), 4)
     with pytest.raises(CoverageError, match="overlap"):
-        check_coverage([refs[0], refs[0]], 32)
+        check_coverage(table([refs[0], refs[0]]), 32)
     with pytest.raises(CoverageError):
-        check_coverage(refs, 21)
+        check_coverage(table(refs), 21)

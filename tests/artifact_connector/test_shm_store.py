@@ -37,7 +37,7 @@ from vllm.distributed.artifact_connector.store import (
 )
 from vllm.distributed.safe_fs import ensure_private_shm_dir
 
-from .helpers import key, make_dead, payload, put, read
+from .helpers import key, make_dead, payload, put, read, read_refs
 
 NOBODY = 65534
 
@@ -92,7 +92,8 @@ def test_read_spans_and_untouched_output_on_error(writer, shm_root):
     r = ShmStoreReader(shm_root, writer.namespace)
     out = np.zeros(300, np.uint8)
     seen = []
-    r.read_into(
+    read_refs(
+        r,
         [refs[2], refs[0]],
         out,
         np.array([[10, 100, 0], [150, 50, 100]]),
@@ -109,15 +110,13 @@ def test_read_spans_and_untouched_output_on_error(writer, shm_root):
 
     out[:] = 7
     with pytest.raises(ValueError, match="refuses"):
-        r.read_into(
-            [refs[1]], out, np.array([[0, 200, 0]]), trailer_nbytes=8, check=refuse
-        )
+        read_refs(r, [refs[1]], out, [[0, 200, 0]], trailer_nbytes=8, check=refuse)
     with pytest.raises(ObjectSizeError):
-        r.read_into([refs[1]], out, np.array([[150, 100, 0]]))
-    with pytest.raises(ObjectSizeError):  # the reference's size is wrong
-        r.read_into([refs[1]._replace(nbytes=199)], out, np.array([[0, 10, 0]]))
+        read_refs(r, [refs[1]], out, [[150, 100, 0]])
+    with pytest.raises(ObjectSizeError):  # past the end of the output
+        read_refs(r, [refs[1]], out, [[0, 200, 250]])
     with pytest.raises(ValueError):
-        r.read_into([refs[1]], np.zeros(300, np.uint16), np.array([[0, 10, 0]]))
+        read_refs(r, [refs[1]], np.zeros(300, np.uint16), [[0, 10, 0]])
     assert (out == 7).all()
     r.close()
 
@@ -487,7 +486,7 @@ def test_corruption_is_caught_by_the_checksum(shm_root, writer):
     assert read(r, [refs[1]]) == [payload(1, 3000)]
     out = np.full(12000, 7, np.uint8)
     with pytest.raises(ChecksumMismatchError, match=key(2)):
-        r.read_into(list(refs), out, np.array([[0, 3000, 3000 * i] for i in range(4)]))
+        read_refs(r, refs, out, [[0, 3000, 3000 * i] for i in range(4)])
     assert (out == 7).all()
     assert r.checksum_failures == 1
     r.close()

@@ -3,11 +3,25 @@
 """Artifact Connector: immutable, KV-hash-aligned per-token artifacts (R3
 routed-expert IDs) published by the worker and read back by the scheduler.
 
-Engine-independent parts:
+Worker side (global rank 0, one per engine):
 
-* :mod:`.store` - backend-neutral immutable-object contract and errors.
-* :mod:`.shm` - the same-node ``/dev/shm`` backend.
-* :mod:`.request_core` - keys, object envelopes, coverage, materialisation.
-* :mod:`.buffer` - the worker's logical per-request row buffer.
-* :mod:`.protocol` - scheduler <-> worker messages.
+* ``ArtifactPublisher.apply`` - take a step's scheduler messages (attempt
+  starts, block hashes, finalisations and aborts, discards, releases).
+* ``ArtifactPublisher.write_step`` - buffer a step's captured rows in the
+  row slab (``buffer.RowSlab``), by logical token position.
+* ``ArtifactPublisher.flush`` - hand what the step made publishable to the
+  publication thread (one ``put_batch`` per step, off the step loop).
+* ``ArtifactPublisher.report`` - acknowledgements, progress and failures.
+* ``ArtifactPublisher.set_weight_version`` - rows from now on belong to new
+  weights (keys carry the version per block).
+
+Scheduler side:
+
+* ``protocol.ArtifactSchedulerMeta`` - what the scheduler sends each step.
+* ``request_core.read_rows`` - read a request's rows ``[first_row, N - 1)``
+  from the refs of its ``FinalizeAck``, every object verified.
+* ``protocol.Release`` - after reading, release what the attempt retained.
+
+Store (``store`` contract, ``shm`` backend): ``ShmStoreWriter.put_batch``,
+``retain``/``release``, ``lookup``, ``maintain``; ``ShmStoreReader.read_into``.
 """

@@ -17,7 +17,7 @@ the steps that can be in flight or queued for publication.
 from __future__ import annotations
 
 import collections
-import threading
+import time
 
 import numpy as np
 
@@ -63,7 +63,6 @@ class RowSlab:
         self.pages = np.zeros((num_pages, block_size, *spec.row_shape), spec.dtype)
         self._free = list(range(num_pages - 1, -1, -1))
         self._returned: collections.deque[int] = collections.deque()
-        self._returned_event = threading.Event()
 
     @classmethod
     def for_scheduler(
@@ -103,11 +102,10 @@ class RowSlab:
         """A free page; waits up to ``timeout_s`` for the publication thread
         to return one, then raises :class:`RowBufferCapacityError`."""
         self._reclaim()
-        if not self._free and timeout_s > 0:
-            self._returned_event.clear()
+        deadline = time.monotonic() + timeout_s
+        while not self._free and time.monotonic() < deadline:
+            time.sleep(0.001)  # rare: the slab was sized for the worst case
             self._reclaim()
-            if not self._free and self._returned_event.wait(timeout_s):
-                self._reclaim()
         if not self._free:
             raise RowBufferCapacityError(
                 f"the artifact row buffer's {self.num_pages} pages are all in "
@@ -122,7 +120,6 @@ class RowSlab:
     def free_later(self, page: int) -> None:
         """Return a page from another thread."""
         self._returned.append(page)
-        self._returned_event.set()
 
 
 class AttemptRows:
@@ -171,27 +168,29 @@ class AttemptRows:
         """Make room for rows ``[start, start + num_rows)`` (replacing held
         rows from ``start`` on) and return where they go: ``(page, row in
         page, count)`` pieces. The caller copies the rows there."""
-        if start > self.end:
-            raise RowGapError(
-                f"rows for tokens [{start}, {start + num_rows}) leave a gap "
-                f"after row {self.end}"
-            )
-        if start < self.committed:
-            raise RowOverlapError(
-                f"rows for tokens from {start} overlap rows up to "
-                f"{self.committed} that are already being published"
-            )
-        self._truncate(start)
+        if start != self.end:
+            if start > self.end:
+                raise RowGapError(
+                    f"rows for tokens [{start}, {start + num_rows}) leave a gap "
+                    f"after row {self.end}"
+                )
+            if start < self.committed:
+                raise RowOverlapError(
+                    f"rows for tokens from {start} overlap rows up to "
+                    f"{self.committed} that are already being published"
+                )
+            self._truncate(start)
         bs = self.slab.block_size
+        pages = self._pages
         pieces = []
         pos, end = start, start + num_rows
         while pos < end:
             page_idx, off = divmod(pos - self.committed, bs)
-            if page_idx == len(self._pages):
-                self._pages.append(self.slab.alloc(PAGE_WAIT_S))
+            if page_idx == len(pages):
+                pages.append(self.slab.alloc(PAGE_WAIT_S))
                 self._versions.append(weight_version)
             take = min(bs - off, end - pos)
-            pieces.append((self._pages[page_idx], off, take))
+            pieces.append((pages[page_idx], off, take))
             pos += take
         self.end = end
         return pieces
@@ -202,6 +201,17 @@ class AttemptRows:
             self.slab.free(self._pages.pop())
             self._versions.pop()
         self.end = end
+
+    def place_one(self, row: int, weight_version: str) -> int:
+        """:meth:`place` for one row (a decode step): its index in the slab
+        viewed as ``[num_pages * block_size, L, K]`` rows."""
+        bs = self.slab.block_size
+        k = row - self.committed
+        if row == self.end and k < len(self._pages) * bs:  # room in the last page
+            self.end = row + 1
+            return self._pages[k // bs] * bs + k % bs
+        ((page, off, _),) = self.place(row, 1, weight_version)
+        return page * bs + off
 
     def has_full_block(self) -> bool:
         return self.end - self.committed >= self.slab.block_size
@@ -214,6 +224,23 @@ class AttemptRows:
         row = self.committed
         self.committed += self.slab.block_size
         return row, self._pages.pop(0), self._versions.pop(0)
+
+    def take_blocks(
+        self, hashes: dict[int, bytes]
+    ) -> list[tuple[int, int, str, bytes]]:
+        """Take every full page whose block hash is in ``hashes`` (block
+        index -> hash; used hashes are removed), in order, stopping at the
+        first block without one: ``(first row, page, weight version, hash)``
+        each."""
+        bs = self.slab.block_size
+        out = []
+        while self.end - self.committed >= bs:
+            h = hashes.pop(self.committed // bs, None)
+            if h is None:
+                break
+            out.append((self.committed, self._pages.pop(0), self._versions.pop(0), h))
+            self.committed += bs
+        return out
 
     def take_tail(self, num_rows: int) -> tuple[int, int, int, str] | None:
         """Cut the attempt at ``num_rows`` (dropping rows past it) and hand

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class AttemptStart:
@@ -96,16 +98,50 @@ class CommitProgress:
     committed_rows: int
 
 
-@dataclass(frozen=True, slots=True)
-class PublishedRef:
-    """One object of a request: rows ``[start, start + num_rows)`` under
-    ``key``, exact version ``checksum``, computed under ``weight_version``."""
+@dataclass(frozen=True, eq=False)
+class ObjectRefs:
+    """The objects that cover a request's rows ``[0, num_rows)``, in order,
+    as columns (a 32k-token request has 2,048 of them): object ``i`` holds
+    rows ``[starts[i], starts[i] + num_rows[i])`` under ``keys[i]``, exact
+    version ``checksums[i]``, computed under ``weight_versions[i]``."""
 
-    key: str
-    start: int
-    num_rows: int
-    checksum: int
-    weight_version: str
+    keys: tuple[str, ...]
+    starts: np.ndarray  # int64
+    num_rows: np.ndarray  # int64
+    checksums: np.ndarray  # uint64
+    weight_versions: tuple[str, ...]
+
+    @classmethod
+    def build(
+        cls,
+        keys: list[str],
+        starts: list[int],
+        num_rows: list[int],
+        checksums: list[int],
+        weight_versions: list[str],
+    ) -> ObjectRefs:
+        return cls(
+            tuple(keys),
+            np.array(starts, np.int64),
+            np.array(num_rows, np.int64),
+            np.array(checksums, np.uint64),
+            tuple(weight_versions),
+        )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ObjectRefs)
+            and self.keys == other.keys
+            and self.weight_versions == other.weight_versions
+            and np.array_equal(self.starts, other.starts)
+            and np.array_equal(self.num_rows, other.num_rows)
+            and np.array_equal(self.checksums, other.checksums)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +154,7 @@ class FinalizeAck:
     req_id: str
     attempt: int
     num_rows: int
-    refs: tuple[PublishedRef, ...]
+    refs: ObjectRefs
     aborted: bool = False
 
 

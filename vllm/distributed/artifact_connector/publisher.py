@@ -23,8 +23,9 @@ acknowledgement, or until it is discarded or fails.
 A failure in the thread fails exactly the attempts of the work item it hit
 (:class:`~.protocol.AttemptFailed` with the error's type and message);
 nothing is retained for them afterwards and none of their later work runs.
-When the thread is idle it runs the store's upkeep (spare arena, log
-compaction, collection of stale stores).
+Whenever the queue is empty (after an item, and every ``idle_upkeep_s`` with
+nothing to do) the thread runs the store's upkeep: it prepares the next arena
+ahead of need, compacts the log, and collects stale stores when due.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import collections
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,12 +47,14 @@ from vllm.distributed.artifact_connector.protocol import (
     CommitProgress,
     Finalize,
     FinalizeAck,
-    PublishedRef,
+    ObjectRefs,
 )
 from vllm.distributed.artifact_connector.request_core import (
+    ENVELOPE_NBYTES,
     CoverageError,
     KeySpace,
     RowSpec,
+    check_coverage,
     encode_objects,
 )
 from vllm.distributed.artifact_connector.store import (
@@ -87,8 +91,7 @@ class _Attempt:
     finalize_waits: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Object:
+class _Object(NamedTuple):
     """One object to publish: rows of page ``page`` of the slab."""
 
     aid: AttemptId
@@ -146,7 +149,8 @@ class ArtifactPublisher:
             CommitProgress | FinalizeAck | AttemptFailed
         ] = collections.deque()
         # Publication thread.
-        self._own_refs: dict[AttemptId, list[PublishedRef]] = {}
+        # Per attempt: (key, first row, rows, checksum, weight version).
+        self._own_refs: dict[AttemptId, list[tuple[str, int, int, int, str]]] = {}
         self._prefix: dict[AttemptId, list[str]] = {}
         self._prefix_versions: dict[AttemptId, tuple[str, tuple[bytes, ...]]] = {}
         self._failed: set[AttemptId] = set()
@@ -224,33 +228,41 @@ class ArtifactPublisher:
                 f"captured rows must be [n, {spec.num_layers}, {spec.top_k}] "
                 f"{spec.dtype}, got {list(rows.shape)} {rows.dtype}"
             )
-        dst: list[int] = []
+        if sum(counts) != rows.shape[0]:
+            raise ArtifactError(
+                f"counts add up to {sum(counts)} rows, got {rows.shape[0]}"
+            )
+        pages = self.slab.pages
+        dst: list[int] = []  # single rows (decodes), copied in one gather
         src: list[int] = []
         bs = self.block_size
         version = self._weight_version
+        dirty = self._dirty
         lo = 0
+        attempts_get = self._attempts.get
         for aid, start, n in zip(attempts, starts, counts):
-            att = self._attempts.get(aid)
-            if att is not None and n:
-                try:
-                    pieces = att.rows.place(start, n, version)
-                except ArtifactError as e:
-                    self._fail_here(aid, e)
-                    lo += n
-                    continue
-                i = lo
-                for page, off, take in pieces:
-                    base = page * bs + off
-                    dst.extend(range(base, base + take))
-                    src.extend(range(i, i + take))
-                    i += take
-                self._dirty.add(aid)
-            lo += n
-        if lo != rows.shape[0]:
-            raise ArtifactError(f"counts add up to {lo} rows, got {rows.shape[0]}")
+            att = attempts_get(aid)
+            first, lo = lo, lo + n
+            if att is None or not n:
+                continue
+            rows_state = att.rows
+            try:
+                if n == 1:
+                    dst.append(rows_state.place_one(start, version))
+                    src.append(first)
+                else:
+                    i = first
+                    for page, off, take in rows_state.place(start, n, version):
+                        pages[page, off : off + take] = rows[i : i + take]
+                        i += take
+            except ArtifactError as e:
+                self._fail_here(aid, e)
+                continue
+            if rows_state.end - rows_state.committed >= bs or att.finalize:
+                dirty.add(aid)
         if dst:
-            flat = self.slab.pages.reshape(-1, *spec.row_shape)
-            flat[np.array(dst)] = rows[np.array(src)]
+            flat = pages.reshape(-1, *spec.row_shape)
+            flat[dst] = rows[src]
 
     def flush(self) -> None:
         """Hand what this step made publishable to the publication thread."""
@@ -271,11 +283,7 @@ class ArtifactPublisher:
 
     def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> None:
         rows, bs = att.rows, self.block_size
-        while rows.has_full_block():
-            h = att.hashes.get(rows.committed // bs)
-            if h is None:
-                break
-            start, page, version = rows.take_block()
+        for start, page, version, h in rows.take_blocks(att.hashes):
             work.objects.append(_Object(aid, start, bs, page, h, version, False))
         fin = att.finalize
         if fin is None:
@@ -385,6 +393,8 @@ class ArtifactPublisher:
                     self._process(work)
                 finally:
                     q.task_done()
+                if q.empty():  # between steps: prepare the next arena etc.
+                    self._upkeep()
         except BaseException as e:  # pragma: no cover - a bug; reported loudly
             self._error = e
             logger.exception("artifact publication thread died")
@@ -426,79 +436,63 @@ class ArtifactPublisher:
             self._forget(aid)
 
     def _publish(self, objects: list[_Object]) -> None:
+        key = self._keys.key
         keys = [
-            self._keys.key(o.weight_version, o.block_hash, o.num_rows, tail=o.tail)
+            key(o.weight_version, o.block_hash, o.num_rows, tail=o.tail)
             for o in objects
         ]
-        pages = self.slab.pages
-        rows = [pages[o.page, : o.num_rows] for o in objects]
-        lengths = np.array(
-            [self.spec.object_nbytes(o.num_rows) for o in objects], np.int64
-        )
+        rb = self.spec.row_nbytes
+        page_nbytes = self.block_size * rb
+        slab_bytes = self.slab.pages.reshape(-1).view(np.uint8).data
+        payloads = [
+            slab_bytes[o.page * page_nbytes : o.page * page_nbytes + o.num_rows * rb]
+            for o in objects
+        ]
+        lengths = np.array([len(p) for p in payloads], np.int64) + ENVELOPE_NBYTES
+        starts = [o.start for o in objects]
+        tails = [o.tail for o in objects]
         try:
             result = self._writer.put_batch(
                 keys,
                 lengths,
                 lambda buf: encode_objects(
-                    self.spec,
-                    keys,
-                    [o.start for o in objects],
-                    rows,
-                    buf,
-                    tails=[o.tail for o in objects],
+                    self.spec, keys, starts, payloads, buf, tails=tails
                 ),
+                owners=[_owner(o.aid) for o in objects],
             )
         except (ArtifactError, OSError) as e:
             self._fail_in_thread(list(dict.fromkeys(o.aid for o in objects)), e)
             return
         finally:
+            payloads.clear()
             for o in objects:
                 self.slab.free_later(o.page)
-        published: dict[AttemptId, list[str]] = {}
+        ends: dict[AttemptId, int] = {}
         for o, ref in zip(objects, result.refs):
-            published.setdefault(o.aid, []).append(ref.key)
             self._own_refs[o.aid].append(
-                PublishedRef(
-                    ref.key, o.start, o.num_rows, ref.checksum, o.weight_version
-                )
+                (ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
             )
-        for aid, keys in published.items():
-            self._writer.retain(_owner(aid), keys)
-            self._results.append(
-                CommitProgress(
-                    aid[0],
-                    aid[1],
-                    self._own_refs[aid][-1].start + self._own_refs[aid][-1].num_rows,
-                )
-            )
+            ends[o.aid] = o.start + o.num_rows
+        for aid, end in ends.items():
+            self._results.append(CommitProgress(aid[0], aid[1], end))
 
     def _acknowledge(self, aid: AttemptId, fin: Finalize) -> FinalizeAck:
         version, prefix_hashes = self._prefix_versions[aid]
         prefix_keys = self._prefix[aid]
-        found = self._writer.lookup(prefix_keys)
-        refs = []
-        for b, (key, ref) in enumerate(zip(prefix_keys, found)):
+        bs = self.block_size
+        rows: list[tuple[str, int, int, int, str]] = []
+        for b, (key, ref) in enumerate(
+            zip(prefix_keys, self._writer.lookup(prefix_keys))
+        ):
             if ref is None:
                 raise self._prefix_miss(b, key, version, prefix_hashes[b])
-            refs.append(
-                PublishedRef(
-                    key, b * self.block_size, self.block_size, ref.checksum, version
-                )
-            )
-        refs.extend(self._own_refs[aid])
-        pos = 0
-        for r in refs:
-            if r.start != pos:
-                raise CoverageError(
-                    f"request {aid[0]}'s objects have a gap or overlap at row {pos}"
-                )
-            pos += r.num_rows
-        if pos != fin.num_rows:
-            raise CoverageError(
-                f"request {aid[0]}'s objects cover {pos} rows, it has {fin.num_rows}"
-            )
+            rows.append((key, b * bs, bs, ref.checksum, version))
+        rows.extend(self._own_refs[aid])
+        columns = [list(c) for c in zip(*rows)] if rows else [[]] * 5
+        refs = ObjectRefs.build(*columns)
+        check_coverage(refs, fin.num_rows)
         return FinalizeAck(
-            fin.req_id, fin.attempt, fin.num_rows, tuple(refs), isinstance(fin, Abort)
+            fin.req_id, fin.attempt, fin.num_rows, refs, isinstance(fin, Abort)
         )
 
     def _prefix_miss(

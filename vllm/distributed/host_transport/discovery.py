@@ -10,12 +10,12 @@ import hashlib
 import mmap
 import os
 import re
-import stat
 import sys
 import threading
 import time
 
 from vllm.distributed.process_identity import process_start_ticks
+from vllm.distributed.safe_fs import open_private_dir, open_private_file
 
 STAMP_FILE = "stamp"
 STAMP_SIZE = 4096
@@ -103,25 +103,13 @@ def _open_root(root: str) -> int:
     return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _open_private_dir(root_fd: int, name: str, path: str) -> int:
+def _open_private_dir(root_fd: int, name: str) -> int:
     """Create (mode 0700) or open the directory ``name`` under ``root_fd``
     without following a symlink, and check that it is a directory owned by
     us with no group or other bits. Returns its descriptor."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(name, 0o700, dir_fd=root_fd)
-    fd = os.open(
-        name,
-        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-        dir_fd=root_fd,
-    )
-    st = os.fstat(fd)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        os.close(fd)
-        raise HostTransportError(f"{path} is not a directory owned by us")
-    if st.st_mode & 0o077:
-        os.close(fd)
-        raise HostTransportError(f"{path} is accessible to other users")
-    return fd
+    return open_private_dir(name, dir_fd=root_fd, error=HostTransportError)
 
 
 class ScopeDir:
@@ -145,7 +133,7 @@ class ScopeDir:
         try:
             deadline = time.monotonic() + _JOIN_WAIT_S
             while True:
-                fd = _open_private_dir(root_fd, self.name, self.path)
+                fd = _open_private_dir(root_fd, self.name)
                 # Membership: busy only while a last closer removes the
                 # directory.
                 try:
@@ -172,9 +160,10 @@ class ScopeDir:
 
     # -------------------------------------------------------------- stamp
     def _open_stamp(self) -> None:
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(STAMP_FILE, flags, dir_fd=self.fd)
+            fd = open_private_file(
+                STAMP_FILE, self.fd, os.O_RDWR, "stamp file", error=HostTransportError
+            )
         except FileNotFoundError:
             fd = self._create_stamp()
         try:

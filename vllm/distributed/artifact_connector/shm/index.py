@@ -190,8 +190,17 @@ class Index:
         """Drop every version still located in arena ``aid``; returns how
         many."""
         slots = self.slots_in_arena(aid)
-        for s in slots.tolist():
-            self.drop(self.key_of(s), s)
+        hexed = self.key_raw[slots].tobytes().hex()
+        current, older = self.current, self.older
+        for i, s in enumerate(slots.tolist()):
+            key = hexed[64 * i : 64 * i + 64]
+            if current.get(key) == s and key not in older:
+                del current[key]  # the common case: the key's only version
+            else:
+                self._unlink(key, s)
+        self.live[slots] = False
+        self._free.extend(slots.tolist())
+        self.num_versions -= int(slots.shape[0])
         return int(slots.shape[0])
 
     # ------------------------------------------------------------ queries

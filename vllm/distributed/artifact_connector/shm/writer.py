@@ -216,7 +216,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         lengths: np.ndarray,
         fill: FillFn,
         *,
-        owner: str | None = None,
+        owners: Sequence[str] | None = None,
     ) -> PutResult:
         """See :meth:`ObjectStoreWriter.put_batch`. Identical re-puts write
         nothing (that version becomes current again); different bytes under
@@ -259,8 +259,11 @@ class ShmStoreWriter(ObjectStoreWriter):
             self._index.put(keys, keys_raw, locs, offs, lens, cs)
             for s in statuses:
                 self._counts[_STATUS_COUNTER[s]] += 1
-            if owner is not None:
-                self._retain(owner, keys)
+            if owners is not None:
+                if len(owners) != n:
+                    raise ValueError("owners must name one owner per key")
+                for owner, key in zip(owners, keys):
+                    self._retain(owner, (key,))
             self._heartbeat()
             return PutResult(
                 tuple(
