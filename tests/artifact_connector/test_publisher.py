@@ -175,6 +175,9 @@ def test_abort_is_a_finish_at_the_executed_boundary(h):
     ack = h.acks["r"]
     assert ack.aborted and ack.num_rows == 9
     np.testing.assert_array_equal(h.read("r"), a[:9])
+    h.step(ArtifactSchedulerMeta(releases=(Release("r", 0),)))
+    assert h.writer.stats().retainers == 0  # nothing leaks after an abort
+    assert h.slab.num_free() == h.slab.num_pages
 
 
 def test_finalize_waits_for_rows_in_flight_then_fails_loudly(h):

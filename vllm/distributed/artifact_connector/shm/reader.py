@@ -29,6 +29,7 @@ from vllm.distributed.artifact_connector.store import (
     ObjectSizeError,
     ObjectStoreReader,
     StoreClosedError,
+    StoreIOError,
     UnsafeStoreError,
     checksum,
 )
@@ -64,6 +65,9 @@ class ShmStoreReader(ObjectStoreReader):
             raise StoreClosedError(
                 f"artifact store {namespace} does not exist under {real}"
             ) from e
+        except OSError as e:
+            self.close()
+            raise StoreIOError(f"opening artifact store {namespace} failed: {e}") from e
         except BaseException:
             self.close()
             raise
@@ -145,18 +149,23 @@ class ShmStoreReader(ObjectStoreReader):
         spans = np.asarray(spans, np.int64).reshape(len(keys), 3)
         if checksums.shape != (len(keys),):
             raise ValueError("one checksum per key")
-        self._refresh()
-        for attempt in range(3):
-            try:
-                return self._read_once(
-                    keys, checksums, out, spans, trailer_nbytes, check
-                )
-            except FileNotFoundError:
-                # An arena was evicted after the index was read: the log now
-                # says where its retained objects went.
-                if attempt == 2:
-                    raise
-                self._refresh()
+        try:
+            self._refresh()
+            for attempt in range(3):
+                try:
+                    return self._read_once(
+                        keys, checksums, out, spans, trailer_nbytes, check
+                    )
+                except FileNotFoundError:
+                    # An arena was evicted after the index was read: the log
+                    # now says where its retained objects went.
+                    if attempt == 2:
+                        raise
+                    self._refresh()
+        except OSError as e:
+            raise StoreIOError(
+                f"reading artifact store {self._namespace} failed: {e}"
+            ) from e
 
     def _locate(self, keys: Sequence[str], checksums: np.ndarray) -> np.ndarray:
         """Slots of the exact versions, or the typed error for the first

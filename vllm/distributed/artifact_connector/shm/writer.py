@@ -118,7 +118,10 @@ class ShmStoreWriter(ObjectStoreWriter):
             )
         self._lock = threading.Lock()
         self._closed = True
-        self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
+        try:
+            self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
+        except OSError as e:
+            raise _io_error(e, f"creating the artifact store root {root}") from e
         self._namespace = namespace
         self._capacity = capacity_bytes
         if arena_bytes is None:
@@ -153,7 +156,10 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._last_collect = 0.0
         self._log_size = self._record_bytes = 0
         self._collect(force=True)
-        self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
+        try:
+            self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
+        except OSError as e:
+            raise _io_error(e, f"opening the artifact store root {root}") from e
         try:
             try:
                 os.mkdir(namespace, 0o700, dir_fd=self._root_fd)
@@ -224,54 +230,66 @@ class ShmStoreWriter(ObjectStoreWriter):
         ``stats().divergences``."""
         with self._lock:
             self._check_open()
-            n = len(keys)
-            if n == 0:
-                return PutResult((), ())
-            keys = list(keys)
-            keys_raw = keys_to_bytes(keys)
-            lens = np.asarray(lengths, np.int64)
-            if lens.shape != (n,) or (lens <= 0).any():
-                raise ValueError("lengths must be one positive int per key")
-            total = int(lens.sum())
-            log_bytes = log.BATCH_HEADER.size + n * log.RECORD_NBYTES
-            arena, base = self._reserve(total, log_bytes)
-            region = arena.arr[base : base + total]
-            offs = np.zeros(n, np.int64)
-            np.cumsum(lens[:-1], out=offs[1:])
-            sums = fill(region)
-            if sums is None:
-                mv = region.data
-                sums = np.fromiter(
-                    (
-                        checksum(mv[o : o + ln])
-                        for o, ln in zip(offs.tolist(), lens.tolist())
-                    ),
-                    np.uint64,
-                    n,
-                )
-            cs = np.asarray(sums, np.uint64)
-            if cs.shape != (n,):
-                raise ValueError("fill must return one checksum per object")
-            locs = np.full(n, arena.aid, np.int64)
-            offs += base
-            statuses = self._classify(keys, cs, locs, offs, lens)
-            self._append_log(log.records(log.PUT, keys_raw, locs, offs, lens, cs))
-            self._index.put(keys, keys_raw, locs, offs, lens, cs)
-            for s in statuses:
-                self._counts[_STATUS_COUNTER[s]] += 1
-            if owners is not None:
-                if len(owners) != n:
-                    raise ValueError("owners must name one owner per key")
-                for owner, key in zip(owners, keys):
-                    self._retain(owner, (key,))
-            self._heartbeat()
-            return PutResult(
-                tuple(
-                    ObjectRef(k, c, ln)
-                    for k, c, ln in zip(keys, cs.tolist(), lens.tolist())
+            try:
+                return self._put_batch(keys, lengths, fill, owners)
+            except OSError as e:  # e.g. an arena file that cannot be created
+                raise _io_error(e, "publishing to the artifact store") from e
+
+    def _put_batch(
+        self,
+        keys: Sequence[str],
+        lengths: np.ndarray,
+        fill: FillFn,
+        owners: Sequence[str] | None,
+    ) -> PutResult:
+        n = len(keys)
+        if n == 0:
+            return PutResult((), ())
+        if owners is not None and len(owners) != n:
+            raise ValueError("owners must name one owner per key")
+        keys = list(keys)
+        keys_raw = keys_to_bytes(keys)
+        lens = np.asarray(lengths, np.int64)
+        if lens.shape != (n,) or (lens <= 0).any():
+            raise ValueError("lengths must be one positive int per key")
+        total = int(lens.sum())
+        log_bytes = log.BATCH_HEADER.size + n * log.RECORD_NBYTES
+        arena, base = self._reserve(total, log_bytes)
+        region = arena.arr[base : base + total]
+        offs = np.zeros(n, np.int64)
+        np.cumsum(lens[:-1], out=offs[1:])
+        sums = fill(region)
+        if sums is None:
+            mv = region.data
+            sums = np.fromiter(
+                (
+                    checksum(mv[o : o + ln])
+                    for o, ln in zip(offs.tolist(), lens.tolist())
                 ),
-                tuple(statuses),
+                np.uint64,
+                n,
             )
+        cs = np.asarray(sums, np.uint64)
+        if cs.shape != (n,):
+            raise ValueError("fill must return one checksum per object")
+        locs = np.full(n, arena.aid, np.int64)
+        offs += base
+        statuses = self._classify(keys, cs, locs, offs, lens)
+        self._append_log(log.records(log.PUT, keys_raw, locs, offs, lens, cs))
+        self._index.put(keys, keys_raw, locs, offs, lens, cs)
+        for s in statuses:
+            self._counts[_STATUS_COUNTER[s]] += 1
+        if owners is not None:
+            for owner, key in zip(owners, keys):
+                self._retain(owner, (key,))
+        self._heartbeat()
+        return PutResult(
+            tuple(
+                ObjectRef(k, c, ln)
+                for k, c, ln in zip(keys, cs.tolist(), lens.tolist())
+            ),
+            tuple(statuses),
+        )
 
     def _classify(
         self,
