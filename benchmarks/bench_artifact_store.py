@@ -157,6 +157,14 @@ class Engine:
             rows,
         )
 
+    def prefill(self, reqs: list[str], lengths: list[int]) -> None:
+        """Start ``reqs`` with ``lengths[i]`` rows already buffered (so that
+        their blocks complete at staggered steps)."""
+        self.start(reqs)
+        for i, (r, n) in enumerate(zip(reqs, lengths)):
+            self.pos[r] = n
+            self.pub.write_step([(r, 0)], [0], [n], rows_for(i, n))
+
     def close(self) -> None:
         self.pub.close()
 
@@ -184,11 +192,8 @@ def decode_counts(step: int) -> dict[str, int]:
 def bench_decode_step(root: str, steps: int) -> dict:
     eng = Engine(root, 8 << 30)
     reqs = [f"d{i}" for i in range(RUNNING)]
-    eng.start(reqs)
-    # Stagger the requests so that 16 of the 256 complete a block per step.
-    for i, r in enumerate(reqs):
-        eng.pos[r] = (i % B) + 1
-        eng.pub.write_step([(r, 0)], [0], [eng.pos[r]], rows_for(i, eng.pos[r]))
+    # Staggered so that 16 of the 256 complete a block per step.
+    eng.prefill(reqs, [i % B + 1 for i in range(RUNNING)])
     eng.pub.flush()
     eng.pub.wait_idle(60)
     flush_t, write_t, blocks = [], [], []
@@ -228,10 +233,7 @@ def bench_decode_step(root: str, steps: int) -> dict:
 def bench_mixed_step(root: str, steps: int) -> dict:
     eng = Engine(root, 8 << 30)
     dec = [f"d{i}" for i in range(RUNNING - 1)]
-    eng.start(dec)
-    for i, r in enumerate(dec):
-        eng.pos[r] = (i % B) + 1
-        eng.pub.write_step([(r, 0)], [0], [eng.pos[r]], rows_for(i, eng.pos[r]))
+    eng.prefill(dec, [i % B + 1 for i in range(RUNNING - 1)])
     flush_t, write_t = [], []
     cpu = count_thread_cpu(eng.pub)
     for s in range(steps):
@@ -357,11 +359,8 @@ def bench_stall(root: str, steps: int) -> dict:
     # requests' objects become evictable once the scheduler releases them.
     eng = Engine(root, 64 << 20, 4 << 20, collect_interval_s=1.0)
     slots = [f"d{i}" for i in range(RUNNING)]
-    eng.start(slots)
-    for i, r in enumerate(slots):
-        n = i + 1  # staggered: about one request finishes per step
-        eng.pos[r] = n
-        eng.pub.write_step([(r, 0)], [0], [n], rows_for(i, n))
+    # Staggered: about one request finishes per step.
+    eng.prefill(slots, [i + 1 for i in range(RUNNING)])
     step_t = []
     acks = 0
     release: list[Release] = []
