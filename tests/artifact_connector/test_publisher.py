@@ -333,3 +333,22 @@ def test_close_joins_the_thread_and_later_use_is_an_error(shm_root):
     assert not h.pub._thread.is_alive()
     with pytest.raises(PublisherClosedError):
         h.pub.flush()
+
+
+def test_a_dead_publication_thread_is_reported_not_waited_for(shm_root):
+    h = Harness(shm_root, max_queued_steps=1)
+    try:
+
+        def crash(work):
+            raise RuntimeError("bug in the publication thread")
+
+        h.pub._process = crash  # the thread's next item kills it
+        h.pub.apply(ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)))
+        h.pub.flush()
+        with pytest.raises(PublisherClosedError, match="bug in the publication"):
+            for _ in range(50):  # a full queue must not block forever
+                h.pub.apply(ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)))
+                h.pub.flush()
+    finally:
+        h.reader.close()
+        h.pub.close()

@@ -178,6 +178,9 @@ class ArtifactPublisher:
         work = self._work
         for s in meta.starts:
             aid = (s.req_id, s.attempt)
+            old = self._attempts.pop(aid, None)
+            if old is not None:  # a repeated start replaces the attempt
+                old.rows.drop()
             self._attempts[aid] = _Attempt(AttemptRows(self.slab, s.cached_rows))
             if len(s.prefix_hashes) * self.block_size != s.cached_rows:
                 self._fail_here(
@@ -279,7 +282,12 @@ class ArtifactPublisher:
                 self._fail_here(aid, e)
         if work:
             self._work = _Work()
-            self._queue.put(work)
+            while True:  # back-pressure, but never wait on a dead thread
+                try:
+                    self._queue.put(work, timeout=1.0)
+                    break
+                except queue.Full:
+                    self._check_thread()
 
     def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> None:
         rows, bs = att.rows, self.block_size
@@ -395,7 +403,7 @@ class ArtifactPublisher:
                     q.task_done()
                 if q.empty():  # between steps: prepare the next arena etc.
                     self._upkeep()
-        except BaseException as e:  # pragma: no cover - a bug; reported loudly
+        except BaseException as e:  # a bug: reported loudly by the next flush
             self._error = e
             logger.exception("artifact publication thread died")
 
