@@ -5,6 +5,7 @@ retain/release, per-block weight versions, aborts and failures, read back
 through the scheduler's read path from a real /dev/shm store."""
 
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -160,6 +161,21 @@ def test_full_life_cycle_with_a_sibling_prefix_hit_and_prompt_start(h):
     assert h.writer.stats().retained_keys == 0
 
 
+def test_waiting_for_specific_acknowledgements(h):
+    h.pub.apply(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r", 0, 0),),
+            finalizes=(Finalize("r", 0, 2, b"t"),),
+        )
+    )
+    assert not h.pub.wait_for_results([("r", 0)], 0.05)  # no rows yet
+    h.pub.write_step([("r", 0)], [0], [2], routes(1, 2))
+    h.pub.flush()
+    assert h.pub.wait_for_results([("r", 0)], 10)
+    (ack,) = h.pub.report().acks
+    assert ack.req_id == "r" and ack.num_rows == 2
+
+
 def test_abort_is_a_finish_at_the_executed_boundary(h):
     a = routes(4, 11)
     h.step(
@@ -180,7 +196,15 @@ def test_abort_is_a_finish_at_the_executed_boundary(h):
     assert h.slab.num_free() == h.slab.num_pages
 
 
-def test_finalize_waits_for_rows_in_flight_then_fails_loudly(h):
+def test_finalize_waits_for_rows_in_flight_then_fails_loudly(shm_root):
+    h = Harness(shm_root, finalize_wait_s=0.5)
+    try:
+        _finalize_waits(h)
+    finally:
+        h.close()
+
+
+def _finalize_waits(h):
     a = routes(5, 6)
     h.step(
         ArtifactSchedulerMeta(
@@ -198,8 +222,9 @@ def test_finalize_waits_for_rows_in_flight_then_fails_loudly(h):
     assert "r" not in h.acks
     h.step(rows=[("r", 0, 3, a[3:])])
     np.testing.assert_array_equal(h.read("r"), a)
-    for _ in range(5):  # rows of "late" never come
-        h.step()
+    assert "late" not in h.failures  # still waiting for its rows
+    time.sleep(0.6)  # rows of "late" never come
+    h.step()
     f = h.failures["late"]
     assert f.error_type == "CoverageError" and "never arrived" in f.message
     assert "late" not in h.acks
@@ -237,13 +262,13 @@ def test_weight_versions_per_block(h):
         ),
         [("old", 0, 0, v1[:6])],
     )
-    h.pub.set_weight_version("w2")  # an update while "old" runs
-    h.step(rows=[("old", 0, 6, v1[6:])])
+    # A weight update while "old" runs, announced with the step's messages.
+    h.step(ArtifactSchedulerMeta(weight_version="w2"), [("old", 0, 6, v1[6:])])
     h.step(ArtifactSchedulerMeta(finalizes=(Finalize("old", 0, 8, None),)))
     # The request keeps its own rows across the update; each block carries
     # the version that computed (the first row of) it.
     np.testing.assert_array_equal(h.read("old"), v1)
-    assert h.acks["old"].refs.weight_versions == ("0", "0")
+    assert h.acks["old"].refs.weight_versions == ("default", "default")
     # A prefix hit on those blocks under the new weights fails loudly.
     h.step(
         ArtifactSchedulerMeta(starts=(AttemptStart("hit", 0, 8, hashes[:2]),)),

@@ -172,8 +172,11 @@ class AttemptFailed:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactSchedulerMeta:
-    """Everything the scheduler tells the publishing worker in one step."""
+    """Everything the scheduler tells the publishing worker in one step.
+    ``weight_version``, when set, applies from this step on (before the
+    step's attempt starts and rows)."""
 
+    weight_version: str | None = None
     starts: tuple[AttemptStart, ...] = ()
     hashes: tuple[BlockHashes, ...] = ()
     finalizes: tuple[Finalize, ...] = ()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -88,7 +89,7 @@ class _Attempt:
     rows: AttemptRows
     hashes: dict[int, bytes] = field(default_factory=dict)
     finalize: Finalize | None = None
-    finalize_waits: int = 0
+    finalize_deadline: float = 0.0
 
 
 class _Object(NamedTuple):
@@ -127,9 +128,9 @@ class ArtifactPublisher:
         slab: RowSlab,
         keyspace: KeySpace,
         *,
-        weight_version: str = "0",
+        weight_version: str = "default",
         max_queued_steps: int = 4,
-        finalize_wait_steps: int = 4,
+        finalize_wait_s: float = 5.0,
         idle_upkeep_s: float = 0.05,
     ) -> None:
         self.spec = spec
@@ -139,15 +140,19 @@ class ArtifactPublisher:
         self._keys = keyspace
         self._weight_version = weight_version
         self._versions_seen = [weight_version]
-        self._finalize_wait_steps = finalize_wait_steps
+        self._finalize_wait_s = finalize_wait_s
         self._idle_upkeep_s = idle_upkeep_s
         # Engine thread.
         self._attempts: dict[AttemptId, _Attempt] = {}
         self._dirty: set[AttemptId] = set()
         self._work = _Work()
+        # Produced by both threads, read by report(), guarded by the condition.
         self._results: collections.deque[
             CommitProgress | FinalizeAck | AttemptFailed
         ] = collections.deque()
+        self._results_cv = threading.Condition()
+        # Model Runner V2 calls in from its main and its output thread.
+        self._engine_lock = threading.RLock()
         # Publication thread.
         # Per attempt: (key, first row, rows, checksum, weight version).
         self._own_refs: dict[AttemptId, list[tuple[str, int, int, int, str]]] = {}
@@ -174,7 +179,13 @@ class ArtifactPublisher:
             self._versions_seen.append(version)
 
     def apply(self, meta: ArtifactSchedulerMeta) -> None:
-        """Take one step's scheduler messages."""
+        """Take one step's scheduler messages (a weight version first)."""
+        with self._engine_lock:
+            self._apply(meta)
+
+    def _apply(self, meta: ArtifactSchedulerMeta) -> None:
+        if meta.weight_version is not None:
+            self.set_weight_version(meta.weight_version)
         work = self._work
         for s in meta.starts:
             aid = (s.req_id, s.attempt)
@@ -210,11 +221,23 @@ class ArtifactPublisher:
             att = self._attempts.get(aid)
             if att is not None:
                 att.finalize = f
+                att.finalize_deadline = time.monotonic() + self._finalize_wait_s
                 self._dirty.add(aid)
         for r in meta.releases:
             work.releases.append((r.req_id, r.attempt))
 
     def write_step(
+        self,
+        attempts: list[AttemptId],
+        starts: list[int],
+        counts: list[int],
+        rows: np.ndarray,
+    ) -> None:
+        """See :meth:`_write_step`."""
+        with self._engine_lock:
+            self._write_step(attempts, starts, counts, rows)
+
+    def _write_step(
         self,
         attempts: list[AttemptId],
         starts: list[int],
@@ -269,6 +292,10 @@ class ArtifactPublisher:
 
     def flush(self) -> None:
         """Hand what this step made publishable to the publication thread."""
+        with self._engine_lock:
+            self._flush()
+
+    def _flush(self) -> None:
         self._check_thread()
         work = self._work
         for aid in list(self._dirty):
@@ -299,11 +326,10 @@ class ArtifactPublisher:
                 self._dirty.discard(aid)
             return
         if rows.end < fin.num_rows:
-            att.finalize_waits += 1
-            if att.finalize_waits > self._finalize_wait_steps:
+            if time.monotonic() > att.finalize_deadline:
                 raise CoverageError(
                     f"rows for tokens [{rows.end}, {fin.num_rows}) never arrived "
-                    f"({att.finalize_waits - 1} steps after the request ended)"
+                    f"({self._finalize_wait_s:g} s after the request ended)"
                 )
             return
         if fin.num_rows - rows.committed >= bs:
@@ -332,31 +358,54 @@ class ArtifactPublisher:
         if att is not None:
             att.rows.drop()
         self._dirty.discard(aid)
-        self._results.append(
-            AttemptFailed(aid[0], aid[1], type(error).__name__, str(error))
-        )
+        self._post(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
         self._work.releases.append(aid)
+
+    def _post(self, item: CommitProgress | FinalizeAck | AttemptFailed) -> None:
+        with self._results_cv:
+            self._results.append(item)
+            self._results_cv.notify_all()
+
+    def wait_for_results(self, attempts: list[AttemptId], timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every attempt in ``attempts`` has an
+        acknowledgement or a failure waiting in :meth:`report`; returns
+        whether they all do (an engine with nothing else to run uses this
+        instead of spinning)."""
+        want = set(attempts)
+
+        def ready() -> bool:
+            have = {
+                (r.req_id, r.attempt)
+                for r in self._results
+                if isinstance(r, FinalizeAck | AttemptFailed)
+            }
+            return want <= have
+
+        with self._results_cv:
+            return self._results_cv.wait_for(ready, timeout_s)
 
     def report(self) -> ArtifactWorkerReport:
         """Acknowledgements, progress and failures produced so far."""
-        progress, acks, failures = [], [], []
-        res = self._results
-        while res:
-            item = res.popleft()
-            if isinstance(item, FinalizeAck):
-                acks.append(item)
-            elif isinstance(item, AttemptFailed):
-                failures.append(item)
-                # Failed in the thread: stop taking this attempt's rows.
-                aid = (item.req_id, item.attempt)
-                att = self._attempts.pop(aid, None)
-                if att is not None:
-                    att.rows.drop()
-                    self._dirty.discard(aid)
-                    self._work.releases.append(aid)
-            else:
-                progress.append(item)
-        return ArtifactWorkerReport(tuple(progress), tuple(acks), tuple(failures))
+        with self._engine_lock:
+            with self._results_cv:
+                items = list(self._results)
+                self._results.clear()
+            progress, acks, failures = [], [], []
+            for item in items:
+                if isinstance(item, FinalizeAck):
+                    acks.append(item)
+                elif isinstance(item, AttemptFailed):
+                    failures.append(item)
+                    # Failed in the thread: stop taking this attempt's rows.
+                    aid = (item.req_id, item.attempt)
+                    att = self._attempts.pop(aid, None)
+                    if att is not None:
+                        att.rows.drop()
+                        self._dirty.discard(aid)
+                        self._work.releases.append(aid)
+                else:
+                    progress.append(item)
+            return ArtifactWorkerReport(tuple(progress), tuple(acks), tuple(failures))
 
     def wait_idle(self, timeout_s: float | None = None) -> None:
         """Block until every work item handed over so far is done (tests,
@@ -439,7 +488,7 @@ class ArtifactPublisher:
             except ArtifactError as e:
                 self._fail_in_thread([aid], e)
                 continue
-            self._results.append(ack)
+            self._post(ack)
         for aid in work.releases:
             self._forget(aid)
 
@@ -482,7 +531,7 @@ class ArtifactPublisher:
             )
             ends[o.aid] = o.start + o.num_rows
         for aid, end in ends.items():
-            self._results.append(CommitProgress(aid[0], aid[1], end))
+            self._post(CommitProgress(aid[0], aid[1], end))
 
     def _acknowledge(self, aid: AttemptId, fin: Finalize) -> FinalizeAck:
         version, prefix_hashes = self._prefix_versions[aid]
@@ -534,9 +583,7 @@ class ArtifactPublisher:
                 continue
             self._failed.add(aid)
             self._writer.release(_owner(aid))
-            self._results.append(
-                AttemptFailed(aid[0], aid[1], type(error).__name__, str(error))
-            )
+            self._post(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
 
     def _forget(self, aid: AttemptId) -> None:
         self._writer.release(_owner(aid))
