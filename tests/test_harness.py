@@ -72,6 +72,13 @@ def test_routed_experts_codec_round_trip_and_rejects():
         decode_routed_experts(numpy2base64(np.zeros((2, 2), dtype=np.uint8)))
     with pytest.raises(RoutedExpertsDecodeError):
         decode_routed_experts(numpy2base64(np.zeros((2, 2, 2), dtype=np.int64)))
+    for dtype in (np.int16, np.uint16, np.int32):  # > 256 experts, or on request
+        wide = np.arange(24, dtype=dtype).reshape(4, 3, 2) * 100
+        back = decode_routed_experts(numpy2base64(wide))
+        assert back.dtype == dtype
+        np.testing.assert_array_equal(back, wide)
+    with pytest.raises(RoutedExpertsDecodeError, match="negative"):
+        decode_routed_experts(numpy2base64(np.full((1, 2, 2), -1, dtype=np.int16)))
 
 
 def test_leak_guard_counts_only_what_this_session_used():

@@ -20,6 +20,11 @@ class RoutedExpertsDecodeError(ValueError):
     """The field is not a base64-encoded ``.npy`` array of routed experts."""
 
 
+# uint8 up to 256 experts and int16 above (the fork's default), uint16 (the
+# base's choice above 256) or int32 (both on request).
+ROUTED_EXPERTS_DTYPES = (np.uint8, np.int16, np.uint16, np.int32)
+
+
 def decode_routed_experts(b64: str) -> np.ndarray:
     """Decode ``choices[i].routed_experts`` into ``[tokens, layers, top_k]``."""
     try:
@@ -29,9 +34,11 @@ def decode_routed_experts(b64: str) -> np.ndarray:
         raise RoutedExpertsDecodeError(
             f"invalid routed_experts payload: {exc}"
         ) from exc
-    if array.ndim != 3 or array.dtype not in (np.uint8, np.uint16):
+    if array.ndim != 3 or array.dtype not in ROUTED_EXPERTS_DTYPES:
         raise RoutedExpertsDecodeError(
-            f"routed_experts must be a uint8/uint16 [tokens, layers, top_k] "
-            f"array, got {array.dtype} {array.shape}"
+            "routed_experts must be a uint8/int16/uint16/int32 [tokens, "
+            f"layers, top_k] array, got {array.dtype} {array.shape}"
         )
+    if array.size and array.dtype.kind == "i" and int(array.min()) < 0:
+        raise RoutedExpertsDecodeError("routed_experts holds negative expert IDs")
     return array
