@@ -159,7 +159,12 @@ class ArtifactPublisher:
         self._prefix: dict[AttemptId, list[str]] = {}
         self._prefix_versions: dict[AttemptId, tuple[str, tuple[bytes, ...]]] = {}
         self._failed: set[AttemptId] = set()
-        self._queue: queue.Queue[_Work | None] = queue.Queue(maxsize=max_queued_steps)
+        # Work items, wait_idle's markers (events) and the stop sentinel; the
+        # semaphore bounds the work items (back-pressure).
+        self._queue: queue.SimpleQueue[_Work | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
+        self._free_slots = threading.BoundedSemaphore(max_queued_steps)
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(
@@ -298,40 +303,42 @@ class ArtifactPublisher:
     def _flush(self) -> None:
         self._check_thread()
         work = self._work
-        for aid in list(self._dirty):
-            att = self._attempts.get(aid)
+        dirty, self._dirty = self._dirty, set()
+        attempts_get = self._attempts.get
+        for aid in dirty:
+            att = attempts_get(aid)
             if att is None:
-                self._dirty.discard(aid)
                 continue
             try:
-                self._collect(aid, att, work)
+                if self._collect(aid, att, work):
+                    self._dirty.add(aid)
             except ArtifactError as e:
                 self._fail_here(aid, e)
         if work:
             self._work = _Work()
-            while True:  # back-pressure, but never wait on a dead thread
-                try:
-                    self._queue.put(work, timeout=1.0)
-                    break
-                except queue.Full:
-                    self._check_thread()
+            # Back-pressure when the thread is behind, but never wait on a
+            # dead thread.
+            while not self._free_slots.acquire(timeout=1.0):
+                self._check_thread()
+            self._queue.put(work)
 
-    def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> None:
+    def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> bool:
+        """Move what ``aid`` made publishable into ``work``; returns whether
+        it still waits (a block without its hash, rows of a finalisation)."""
         rows, bs = att.rows, self.block_size
+        objects = work.objects
         for start, page, version, h in rows.take_blocks(att.hashes):
-            work.objects.append(_Object(aid, start, bs, page, h, version, False))
+            objects.append(_Object(aid, start, bs, page, h, version, False))
         fin = att.finalize
         if fin is None:
-            if not rows.has_full_block():
-                self._dirty.discard(aid)
-            return
+            return rows.end - rows.committed >= bs
         if rows.end < fin.num_rows:
             if time.monotonic() > att.finalize_deadline:
                 raise CoverageError(
                     f"rows for tokens [{rows.end}, {fin.num_rows}) never arrived "
                     f"({self._finalize_wait_s:g} s after the request ended)"
                 )
-            return
+            return True
         if fin.num_rows - rows.committed >= bs:
             raise CoverageError(
                 f"block {rows.committed // bs} of request {aid[0]} has no hash; "
@@ -349,7 +356,7 @@ class ArtifactPublisher:
             raise CoverageError("a tail hash for rows that end on a block boundary")
         work.finalizes.append(fin)
         del self._attempts[aid]
-        self._dirty.discard(aid)
+        return False
 
     def _fail_here(self, aid: AttemptId, error: BaseException) -> None:
         """Fail an attempt on the engine's thread: drop its rows, report,
@@ -411,11 +418,11 @@ class ArtifactPublisher:
         """Block until every work item handed over so far is done (tests,
         shutdown)."""
         self._check_thread()
-        with self._queue.all_tasks_done:
-            if not self._queue.all_tasks_done.wait_for(
-                lambda: self._queue.unfinished_tasks == 0, timeout_s
-            ):
-                raise TimeoutError("artifact publication did not finish in time")
+        reached = threading.Event()
+        self._queue.put(reached)  # set by the thread after everything before it
+        if not reached.wait(timeout_s):
+            self._check_thread()
+            raise TimeoutError("artifact publication did not finish in time")
 
     def _check_thread(self) -> None:
         if self._closed or not self._thread.is_alive():
@@ -440,16 +447,19 @@ class ArtifactPublisher:
         try:
             while True:
                 try:
-                    work = q.get(timeout=self._idle_upkeep_s)
+                    item = q.get(timeout=self._idle_upkeep_s)
                 except queue.Empty:
                     self._upkeep()
                     continue
+                if item is None:
+                    return
+                if isinstance(item, threading.Event):
+                    item.set()
+                    continue
                 try:
-                    if work is None:
-                        return
-                    self._process(work)
+                    self._process(item)
                 finally:
-                    q.task_done()
+                    self._free_slots.release()
                 if q.empty():  # between steps: prepare the next arena etc.
                     self._upkeep()
         except BaseException as e:  # a bug: reported loudly by the next flush
