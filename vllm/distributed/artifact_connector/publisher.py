@@ -156,8 +156,8 @@ class ArtifactPublisher:
         # Publication thread.
         # Per attempt: (key, first row, rows, checksum, weight version).
         self._own_refs: dict[AttemptId, list[tuple[str, int, int, int, str]]] = {}
-        self._prefix: dict[AttemptId, list[str]] = {}
-        self._prefix_versions: dict[AttemptId, tuple[str, tuple[bytes, ...]]] = {}
+        # Per attempt: the prefix hit's weight version, block hashes and keys.
+        self._prefix: dict[AttemptId, tuple[str, tuple[bytes, ...], list[str]]] = {}
         self._failed: set[AttemptId] = set()
         # Work items, wait_idle's markers (events) and the stop sentinel; the
         # semaphore bounds the work items (back-pressure).
@@ -474,12 +474,11 @@ class ArtifactPublisher:
 
     def _process(self, work: _Work) -> None:
         for aid, version, prefix_hashes in work.starts:
-            self._prefix_versions[aid] = (version, prefix_hashes)
             keys = [
                 self._keys.key(version, h, self.block_size, tail=False)
                 for h in prefix_hashes
             ]
-            self._prefix[aid] = keys
+            self._prefix[aid] = (version, prefix_hashes, keys)
             self._own_refs[aid] = []
             self._writer.retain(_owner(aid), keys)
         objects = [o for o in work.objects if o.aid not in self._failed]
@@ -544,8 +543,7 @@ class ArtifactPublisher:
             self._post(CommitProgress(aid[0], aid[1], end))
 
     def _acknowledge(self, aid: AttemptId, fin: Finalize) -> FinalizeAck:
-        version, prefix_hashes = self._prefix_versions[aid]
-        prefix_keys = self._prefix[aid]
+        version, prefix_hashes, prefix_keys = self._prefix[aid]
         bs = self.block_size
         rows: list[tuple[str, int, int, int, str]] = []
         for b, (key, ref) in enumerate(
@@ -599,5 +597,4 @@ class ArtifactPublisher:
         self._writer.release(_owner(aid))
         self._own_refs.pop(aid, None)
         self._prefix.pop(aid, None)
-        self._prefix_versions.pop(aid, None)
         self._failed.discard(aid)
