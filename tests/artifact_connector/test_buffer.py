@@ -51,8 +51,10 @@ def test_attempt_rows_rules():
         a.write(15, rows(1), "v1")
     a.write(12, rows(3, 2), "v2")  # replaces the suffix from row 12 on
     assert (a.committed, a.end) == (8, 15)
-    start, page, version = a.take_block()
-    assert (start, version) == (8, "v1") and (slab.pages[page] == 1).all()
+    hashes = {2: b"h2", 3: b"h3"}
+    ((start, page, version, h),) = a.take_blocks(hashes)  # block 3 is not full
+    assert (start, version, h) == (8, "v1", b"h2") and (slab.pages[page] == 1).all()
+    assert hashes == {3: b"h3"}  # a used hash is removed
     slab.free(page)
     with pytest.raises(RowOverlapError):
         a.write(11, rows(1), "v1")  # inside rows handed to publication
@@ -74,7 +76,8 @@ def test_a_block_straddling_a_weight_update_keeps_the_older_version():
     a = AttemptRows(slab, 0)
     a.write(0, rows(2), "old")
     a.write(2, rows(3), "new")
-    assert a.take_block()[2] == "old"
+    ((_, _, version, _),) = a.take_blocks({0: b"h"})
+    assert version == "old"
     assert a.take_tail(5)[3] == "new"
 
 
@@ -85,7 +88,7 @@ def test_slab_exhaustion_is_typed_and_pages_come_back(monkeypatch):
     a.write(0, rows(8), "v")
     with pytest.raises(RowBufferCapacityError):
         a.write(8, rows(1), "v")
-    _, page, _ = a.take_block()
+    ((_, page, _, _), _) = a.take_blocks({0: b"a", 1: b"b"})
     slab.free_later(page)  # as the publication thread does
     a.write(8, rows(1), "v")
     assert slab.num_free() == 0
@@ -130,8 +133,8 @@ def test_rows_round_trip_through_pages(block, cached_blocks, chunks, cut):
         pos += n
         for k in [k for k in truth if k >= pos]:
             del truth[k]
-        while a.has_full_block():
-            s, page, _ = a.take_block()
+        hashes = {b: b"h" for b in range(a.committed // block, a.end // block)}
+        for s, page, _, _ in a.take_blocks(hashes):
             for i in range(block):
                 published[s + i] = slab.pages[page, i].copy()
             slab.free_later(page)

@@ -128,7 +128,7 @@ class AttemptRows:
     * It starts at the attempt's cached length (a block boundary).
     * A write at a position below ``end`` replaces the rows from there on
       (a rejected asynchronous suffix); a write past ``end`` is a gap.
-    * :meth:`take_block` hands the first full page to publication and
+    * :meth:`take_blocks` hands full pages to publication and
       advances ``committed``; rows below ``committed`` can no longer change.
     * Each page remembers the weight version of its first row: a block that
       straddles a weight update is keyed with the older version, so a later
@@ -212,18 +212,6 @@ class AttemptRows:
             return self._pages[k // bs] * bs + k % bs
         ((page, off, _),) = self.place(row, 1, weight_version)
         return page * bs + off
-
-    def has_full_block(self) -> bool:
-        return self.end - self.committed >= self.slab.block_size
-
-    def take_block(self) -> tuple[int, int, str]:
-        """Hand the first full page to publication: ``(first row, page,
-        weight version)``. The caller returns the page to the slab."""
-        if not self.has_full_block():
-            raise RowGapError(f"no full block held at row {self.committed}")
-        row = self.committed
-        self.committed += self.slab.block_size
-        return row, self._pages.pop(0), self._versions.pop(0)
 
     def take_blocks(
         self, hashes: dict[int, bytes]

@@ -14,8 +14,6 @@ objects at about 100 bytes of index per object.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from vllm.distributed.artifact_connector.shm import log
@@ -73,11 +71,6 @@ class Index:
     def has_key(self, key: str) -> bool:
         return key in self.current or key in self.older
 
-    def versions(self, key: str) -> list[int]:
-        cur = self.current.get(key)
-        return ([cur] if cur is not None else []) + self.older.get(key, [])
-
-    # ------------------------------------------------------------ updates
     def put(
         self,
         keys: list[str],
@@ -204,17 +197,6 @@ class Index:
         return int(slots.shape[0])
 
     # ------------------------------------------------------------ queries
-    def slots_of(self, refs: Sequence[tuple[str, int, int]]) -> list[int | None]:
-        """Slot of each exact version ``(key, checksum, ...)``."""
-        cur = self.current
-        out: list[int | None] = []
-        for ref in refs:
-            s = cur.get(ref[0])
-            if s is None or int(self.cs[s]) != ref[1]:
-                s = self.find(ref[0], ref[1])
-            out.append(s)
-        return out
-
     def live_slots(self) -> np.ndarray:
         return np.flatnonzero(self.live[: self._top])
 
