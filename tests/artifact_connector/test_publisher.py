@@ -34,6 +34,7 @@ from vllm.distributed.artifact_connector.shm import (
     ShmStoreWriter,
     make_namespace,
 )
+from vllm.distributed.artifact_connector.store import ArtifactError
 
 SPEC = RowSpec(3, 2)
 B = 4
@@ -174,6 +175,18 @@ def test_waiting_for_specific_acknowledgements(h):
     assert h.pub.wait_for_results([("r", 0)], 10)
     (ack,) = h.pub.report().acks
     assert ack.req_id == "r" and ack.num_rows == 2
+
+
+def test_captured_rows_of_the_wrong_format_are_refused(h):
+    h.pub.apply(ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)))
+    with pytest.raises(ArtifactError, match="captured rows must be"):
+        h.pub.write_step([("r", 0)], [0], [1], np.zeros((1, 2, 2), np.uint8))
+    with pytest.raises(ArtifactError, match="counts add up"):
+        h.pub.write_step([("r", 0)], [0], [2], routes(1, 1))
+    # A gap fails that attempt only, with a typed report.
+    h.pub.write_step([("r", 0)], [5], [1], routes(1, 1))
+    (f,) = h.pub.report().failures
+    assert (f.req_id, f.error_type) == ("r", "RowGapError") and "gap" in f.message
 
 
 def test_abort_is_a_finish_at_the_executed_boundary(h):

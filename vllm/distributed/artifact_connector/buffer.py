@@ -149,19 +149,6 @@ class AttemptRows:
         self._pages: list[int] = []
         self._versions: list[str] = []
 
-    def write(self, start: int, rows: np.ndarray, weight_version: str) -> None:
-        """Rows for tokens ``[start, start + len(rows))``."""
-        spec = self.slab.spec
-        if rows.dtype != spec.dtype or rows.shape[1:] != spec.row_shape:
-            raise RowBufferError(
-                f"rows must be [n, {spec.num_layers}, {spec.top_k}] {spec.dtype}, "
-                f"got {list(rows.shape)} {rows.dtype}"
-            )
-        i = 0
-        for page, off, take in self.place(start, rows.shape[0], weight_version):
-            self.slab.pages[page, off : off + take] = rows[i : i + take]
-            i += take
-
     def place(
         self, start: int, num_rows: int, weight_version: str
     ) -> list[tuple[int, int, int]]:
