@@ -165,6 +165,19 @@ class Engine:
             self.pos[r] = n
             self.pub.write_step([(r, 0)], [0], [n], rows_for(i, n))
 
+    def timed_step(
+        self, counts: dict[str, int]
+    ) -> tuple[ArtifactSchedulerMeta, float, float]:
+        """One step: messages, then the timed ``write_step`` and ``flush``.
+        Returns the messages and the two calling-thread times."""
+        meta, att, st, cnt, rows = self.step_inputs(counts)
+        self.pub.apply(meta)
+        t0 = time.perf_counter()
+        self.pub.write_step(att, st, cnt, rows)
+        t1 = time.perf_counter()
+        self.pub.flush()
+        return meta, t1 - t0, time.perf_counter() - t1
+
     def close(self) -> None:
         self.pub.close()
 
@@ -199,15 +212,9 @@ def bench_decode_step(root: str, steps: int) -> dict:
     flush_t, write_t, blocks = [], [], []
     cpu = count_thread_cpu(eng.pub)
     for s in range(steps):
-        meta, att, st, cnt, rows = eng.step_inputs(decode_counts(s))
-        eng.pub.apply(meta)
-        t0 = time.perf_counter()
-        eng.pub.write_step(att, st, cnt, rows)
-        t1 = time.perf_counter()
-        eng.pub.flush()
-        t2 = time.perf_counter()
-        write_t.append(t1 - t0)
-        flush_t.append(t2 - t1)
+        meta, w, f = eng.timed_step(decode_counts(s))
+        write_t.append(w)
+        flush_t.append(f)
         blocks.append(len(meta.hashes))
         eng.pub.report()
         time.sleep(0.002)  # the GPU step: the thread publishes meanwhile
@@ -239,16 +246,9 @@ def bench_mixed_step(root: str, steps: int) -> dict:
     for s in range(steps):
         pre = f"p{s}"
         eng.start([pre])
-        counts = {pre: 8192, **{r: 1 for r in dec}}
-        meta, att, st, cnt, rows = eng.step_inputs(counts)
-        eng.pub.apply(meta)
-        t0 = time.perf_counter()
-        eng.pub.write_step(att, st, cnt, rows)
-        t1 = time.perf_counter()
-        eng.pub.flush()
-        t2 = time.perf_counter()
-        write_t.append(t1 - t0)
-        flush_t.append(t2 - t1)
+        _, w, f = eng.timed_step({pre: 8192, **{r: 1 for r in dec}})
+        write_t.append(w)
+        flush_t.append(f)
         eng.pub.wait_idle(60)  # one chunk per step, measured alone
         eng.pub.apply(ArtifactSchedulerMeta(finalizes=(Finalize(pre, 0, 8192),)))
         eng.pub.flush()

@@ -31,11 +31,13 @@ ahead of need, compacts the log, and collects stale stores when due.
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -76,6 +78,22 @@ class WeightVersionMismatchError(ArtifactError):
 
 class PublisherClosedError(ArtifactError):
     """The publication thread stopped (closed, or died of an error)."""
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _engine_side(method: _Method) -> _Method:
+    """Run an engine-side method under the publisher's engine lock: Model
+    Runner V2 calls in from its main thread (messages) and its output thread
+    (rows)."""
+
+    @functools.wraps(method)
+    def locked(self: ArtifactPublisher, *args: Any, **kwargs: Any) -> Any:
+        with self._engine_lock:
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, locked)
 
 
 def _owner(aid: AttemptId) -> str:
@@ -151,7 +169,7 @@ class ArtifactPublisher:
             CommitProgress | FinalizeAck | AttemptFailed
         ] = collections.deque()
         self._results_cv = threading.Condition()
-        # Model Runner V2 calls in from its main and its output thread.
+        # See _engine_side.
         self._engine_lock = threading.RLock()
         # Publication thread.
         # Per attempt: (key, first row, rows, checksum, weight version).
@@ -183,12 +201,9 @@ class ArtifactPublisher:
         if version not in self._versions_seen:
             self._versions_seen.append(version)
 
+    @_engine_side
     def apply(self, meta: ArtifactSchedulerMeta) -> None:
         """Take one step's scheduler messages (a weight version first)."""
-        with self._engine_lock:
-            self._apply(meta)
-
-    def _apply(self, meta: ArtifactSchedulerMeta) -> None:
         if meta.weight_version is not None:
             self.set_weight_version(meta.weight_version)
         work = self._work
@@ -231,18 +246,8 @@ class ArtifactPublisher:
         for r in meta.releases:
             work.releases.append((r.req_id, r.attempt))
 
+    @_engine_side
     def write_step(
-        self,
-        attempts: list[AttemptId],
-        starts: list[int],
-        counts: list[int],
-        rows: np.ndarray,
-    ) -> None:
-        """See :meth:`_write_step`."""
-        with self._engine_lock:
-            self._write_step(attempts, starts, counts, rows)
-
-    def _write_step(
         self,
         attempts: list[AttemptId],
         starts: list[int],
@@ -295,12 +300,9 @@ class ArtifactPublisher:
             flat = pages.reshape(-1, *spec.row_shape)
             flat[dst] = rows[src]
 
+    @_engine_side
     def flush(self) -> None:
         """Hand what this step made publishable to the publication thread."""
-        with self._engine_lock:
-            self._flush()
-
-    def _flush(self) -> None:
         self._check_thread()
         work = self._work
         dirty, self._dirty = self._dirty, set()
@@ -391,28 +393,28 @@ class ArtifactPublisher:
         with self._results_cv:
             return self._results_cv.wait_for(ready, timeout_s)
 
+    @_engine_side
     def report(self) -> ArtifactWorkerReport:
         """Acknowledgements, progress and failures produced so far."""
-        with self._engine_lock:
-            with self._results_cv:
-                items = list(self._results)
-                self._results.clear()
-            progress, acks, failures = [], [], []
-            for item in items:
-                if isinstance(item, FinalizeAck):
-                    acks.append(item)
-                elif isinstance(item, AttemptFailed):
-                    failures.append(item)
-                    # Failed in the thread: stop taking this attempt's rows.
-                    aid = (item.req_id, item.attempt)
-                    att = self._attempts.pop(aid, None)
-                    if att is not None:
-                        att.rows.drop()
-                        self._dirty.discard(aid)
-                        self._work.releases.append(aid)
-                else:
-                    progress.append(item)
-            return ArtifactWorkerReport(tuple(progress), tuple(acks), tuple(failures))
+        with self._results_cv:
+            items = list(self._results)
+            self._results.clear()
+        progress, acks, failures = [], [], []
+        for item in items:
+            if isinstance(item, FinalizeAck):
+                acks.append(item)
+            elif isinstance(item, AttemptFailed):
+                failures.append(item)
+                # Failed in the thread: stop taking this attempt's rows.
+                aid = (item.req_id, item.attempt)
+                att = self._attempts.pop(aid, None)
+                if att is not None:
+                    att.rows.drop()
+                    self._dirty.discard(aid)
+                    self._work.releases.append(aid)
+            else:
+                progress.append(item)
+        return ArtifactWorkerReport(tuple(progress), tuple(acks), tuple(failures))
 
     def wait_idle(self, timeout_s: float | None = None) -> None:
         """Block until every work item handed over so far is done (tests,
