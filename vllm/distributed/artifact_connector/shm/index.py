@@ -20,6 +20,12 @@ from vllm.distributed.artifact_connector.shm import log
 from vllm.distributed.artifact_connector.store import KEY_HEX_LEN
 
 
+def hex_keys(raw: bytes) -> list[str]:
+    """Hex keys of raw 32-byte keys laid back to back."""
+    hexed = raw.hex()
+    return [hexed[i : i + KEY_HEX_LEN] for i in range(0, len(hexed), KEY_HEX_LEN)]
+
+
 class Index:
     def __init__(self) -> None:
         self.current: dict[str, int] = {}
@@ -52,11 +58,6 @@ class Index:
         self.live[slots] = True
         self.num_versions += n
         return slots
-
-    def _free_slot(self, slot: int) -> None:
-        self.live[slot] = False
-        self._free.append(slot)
-        self.num_versions -= 1
 
     def find(self, key: str, cs: int) -> int | None:
         """Slot of version ``cs`` of ``key``."""
@@ -133,18 +134,13 @@ class Index:
     def move(self, slot: int, arena: int, off: int) -> None:
         self.arena[slot], self.off[slot] = arena, off
 
-    def drop(self, key: str, slot: int) -> None:
-        self._unlink(key, slot)
-        self._free_slot(slot)
-
     def apply(self, recs: np.ndarray) -> list[int]:
         """Apply log records in order; returns the retired arena ids."""
         n = recs.shape[0]
         if n == 0:
             return []
         keys_raw = recs["key"].tobytes()
-        hexed = keys_raw.hex()
-        keys = [hexed[i : i + KEY_HEX_LEN] for i in range(0, n * KEY_HEX_LEN, 64)]
+        keys = hex_keys(keys_raw)
         types = recs["type"]
         if (types == log.PUT).all():
             self.put(
@@ -183,10 +179,8 @@ class Index:
         """Drop every version still located in arena ``aid``; returns how
         many."""
         slots = self.slots_in_arena(aid)
-        hexed = self.key_raw[slots].tobytes().hex()
         current, older = self.current, self.older
-        for i, s in enumerate(slots.tolist()):
-            key = hexed[64 * i : 64 * i + 64]
+        for key, s in zip(self.keys_of(slots), slots.tolist()):
             if current.get(key) == s and key not in older:
                 del current[key]  # the common case: the key's only version
             else:
@@ -204,8 +198,8 @@ class Index:
         live = self.live_slots()
         return live[self.arena[live] == aid]
 
-    def key_of(self, slot: int) -> str:
-        return bytes(self.key_raw[slot]).hex()
+    def keys_of(self, slots: np.ndarray) -> list[str]:
+        return hex_keys(self.key_raw[slots].tobytes())
 
     def snapshot(self) -> np.ndarray:
         """Records that rebuild this index: older versions first, then the

@@ -377,10 +377,9 @@ class ShmStoreWriter(ObjectStoreWriter):
 
     def _retained_bytes(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
         idx = self._index
+        retained = self._retain_count
         keep = np.fromiter(
-            (idx.key_of(s) in self._retain_count for s in slots.tolist()),
-            np.bool_,
-            slots.shape[0],
+            (key in retained for key in idx.keys_of(slots)), np.bool_, slots.shape[0]
         )
         return keep, int(idx.length[slots[keep]].sum()) + 64 * int(keep.sum())
 
