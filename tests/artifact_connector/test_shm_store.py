@@ -614,7 +614,8 @@ def test_live_writers_are_never_collected_dead_ones_at_once(shm_root, child_cmd)
     assert not os.path.exists(path)
     assert mine.stats().stores_collected == 1
     mine.close()
-    assert os.listdir(shm_root) == []
+    # The last store to close takes the empty root with it.
+    assert not os.path.exists(shm_root)
 
 
 def test_undecidable_writer_waits_for_the_ttl(shm_root, writer):

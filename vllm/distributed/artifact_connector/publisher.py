@@ -31,6 +31,7 @@ ahead of need, compacts the log, and collects stale stores when due.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import queue
 import threading
@@ -341,6 +342,18 @@ class ArtifactPublisher:
                     f"({self._finalize_wait_s:g} s after the request ended)"
                 )
             return True
+        if fin.num_rows < rows.committed:
+            # The finish lies inside rows already published (a stop string
+            # the frontend found after more tokens ran, or the row of a step
+            # scheduled before the finish was known completed a block):
+            # acknowledge the published objects, which the scheduler cuts at
+            # its boundary. They hold the true routes of their tokens.
+            rows.drop()
+            work.finalizes.append(
+                dataclasses.replace(fin, num_rows=rows.committed, tail_hash=None)
+            )
+            del self._attempts[aid]
+            return False
         if fin.num_rows - rows.committed >= bs:
             raise CoverageError(
                 f"block {rows.committed // bs} of request {aid[0]} has no hash; "

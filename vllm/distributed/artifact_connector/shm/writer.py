@@ -156,18 +156,33 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._last_collect = 0.0
         self._log_size = self._record_bytes = 0
         self._collect(force=True)
-        try:
-            self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
-        except OSError as e:
-            raise _io_error(e, f"opening the artifact store root {root}") from e
-        try:
+        for attempt in range(3):
+            try:
+                self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
+            except FileNotFoundError:
+                # Another engine removed the (empty) root as it closed.
+                self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
+                continue
+            except OSError as e:
+                raise _io_error(e, f"opening the artifact store root {root}") from e
             try:
                 os.mkdir(namespace, 0o700, dir_fd=self._root_fd)
+                break
             except FileExistsError as e:
+                os.close(self._root_fd)
+                self._root_fd = -1
                 raise UnsafeStoreError(
                     f"artifact namespace {namespace} already exists under "
                     f"{self._root}; namespaces are per engine instance and fresh"
                 ) from e
+            except FileNotFoundError as e:
+                # The root was removed between opening and mkdir: again.
+                os.close(self._root_fd)
+                self._root_fd = -1
+                if attempt == 2:
+                    raise _io_error(e, f"creating artifact store {namespace}") from e
+                self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
+        try:
             self._ns_fd = open_private_dir(
                 namespace, dir_fd=self._root_fd, error=UnsafeStoreError
             )
@@ -617,6 +632,11 @@ class ShmStoreWriter(ObjectStoreWriter):
                 remove_namespace(self._root_fd, self._namespace)
                 os.close(self._root_fd)
                 self._root_fd = -1
+                # Leave nothing behind on a clean shutdown: the root goes too
+                # when no other store is in it (a writer starting meanwhile
+                # recreates it).
+                with contextlib.suppress(OSError):
+                    os.rmdir(self._root)
 
 
 _STATUS_COUNTER = {
