@@ -52,9 +52,9 @@ def test_user_settings_win():
 def test_command_passes_flags_through_and_defaults_to_loopback():
     import serve
 
-    cmd = serve.serve_command(["some/model", "--enable-return-routed-experts"])
+    cmd = serve.serve_command(["some/model", "--enable-routed-experts"])
     assert Path(cmd[0]) == Path(sys.executable).with_name("vllm")
-    assert cmd[1:] == ["serve", "some/model", "--enable-return-routed-experts",
+    assert cmd[1:] == ["serve", "some/model", "--enable-routed-experts",
                        "--host", "127.0.0.1"]  # fmt: skip
     cmd = serve.serve_command(["m", "--host=0.0.0.0"])
     assert cmd.count("--host") == 0 and "--host=0.0.0.0" in cmd

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 MODEL_NAME = "tiny-moe"
 SERVE_FLAGS = [
     "--served-model-name", MODEL_NAME,
-    "--enable-return-routed-experts",
+    "--enable-routed-experts",
     "--dtype", "float32",
     "--block-size", "32",
     "--max-model-len", "1024",

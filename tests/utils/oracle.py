@@ -25,14 +25,24 @@ def _model(model_dir: str):
 
 
 def hf_routes(model_dir: str | Path, token_ids: list[int]) -> np.ndarray:
-    """Routes ``[len(token_ids), num_moe_layers, top_k]`` by transformers."""
+    """Routes ``[len(token_ids), num_hidden_layers, top_k]`` by transformers:
+    every decoder layer in order; a layer without a router (``mlp_only_layers``)
+    is a zero row, as the R3 contract says."""
     import torch
 
     model = _model(str(model_dir))
-    top_k = model.config.num_experts_per_tok
+    cfg = model.config
+    top_k = cfg.num_experts_per_tok
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), output_router_logits=True)
-    layers = [logits.topk(top_k, dim=-1).indices for logits in out.router_logits]
+    moe = iter(out.router_logits)
+    zeros = torch.zeros(len(token_ids), top_k, dtype=torch.int64)
+    layers = [
+        zeros if i in dense else next(moe).topk(top_k, dim=-1).indices
+        for i in range(cfg.num_hidden_layers)
+    ]
+    assert next(moe, None) is None, "more router outputs than MoE layers"
     return torch.stack(layers, dim=1).numpy()
 
 

@@ -68,7 +68,8 @@ class ArtifactConfig:
     else int16; ``uint16`` matches upstream vLLM's R3; ``int32``."""
 
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
-    """Identifies this engine's store; generated, not set by users."""
+    """Identifies this engine's store. Generated: a fresh one is drawn for
+    every engine, so a value given here is replaced."""
 
     def compute_hash(self) -> str:
         """Only the switch changes the compiled graph (it keeps the router
@@ -136,6 +137,8 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
         )
     if not cfg.enable_routed_experts:
         return
+    if vllm_config.model_config is None:
+        raise ValueError("--enable-routed-experts needs a model configuration")
     flag = "--enable-routed-experts"
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -179,22 +182,26 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
             "drop --enable-dbo / --ubatch-size",
         )
     backend = parallel.distributed_executor_backend
-    if backend not in (None, "mp", "uni") and not (
-        isinstance(backend, type) and backend.__name__ == "UniProcExecutor"
-    ):
+    if isinstance(backend, type):
+        backend = {"MultiprocExecutor": "mp", "UniProcExecutor": "uni"}.get(
+            backend.__name__, backend.__name__
+        )
+    if backend not in (None, "mp", "uni"):
         reject(
             f"supports the mp and uni executors, got {backend!r}",
             "use --distributed-executor-backend mp",
         )
     kv = vllm_config.kv_transfer_config
     if kv is not None and (kv.kv_connector or kv.kv_role):
-        connectors = _kv_connector_names(kv)
-        foreign = [c for c in connectors if c not in LOCAL_KV_CONNECTORS]
-        if kv.kv_role != "kv_both" or foreign:
+        connectors = _kv_connectors(kv)
+        names = [name for name, _ in connectors]
+        foreign = [n for n in names if n not in LOCAL_KV_CONNECTORS]
+        roles = {kv.kv_role, *(role for _, role in connectors if role)}
+        if roles != {"kv_both"} or foreign or not connectors:
             reject(
                 "does not support disaggregated prefill/decode KV transfer "
-                f"(kv_connector={', '.join(connectors) or None}, "
-                f"kv_role={kv.kv_role})",
+                f"(kv_connector={', '.join(names) or None}, "
+                f"kv_role={', '.join(sorted(map(str, roles)))})",
                 "only CPU KV offload (OffloadingConnector or "
                 "SimpleCPUOffloadConnector) with kv_role=kv_both is supported",
             )
@@ -213,12 +220,12 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
     routed_experts_row_spec(vllm_config)  # the dtype fits the experts
 
 
-def _kv_connector_names(kv) -> list[str]:
-    """The connector and, for a MultiConnector, those inside it."""
-    names = [kv.kv_connector] if kv.kv_connector else []
-    if kv.kv_connector == "MultiConnector":
-        names = [
-            c.get("kv_connector", "?")
-            for c in (kv.kv_connector_extra_config or {}).get("connectors", [])
-        ]
-    return names
+def _kv_connectors(kv) -> list[tuple[str, str | None]]:
+    """(name, role) of the connector and, for a MultiConnector, of each one
+    inside it (each has its own role)."""
+    if kv.kv_connector != "MultiConnector":
+        return [(kv.kv_connector, None)] if kv.kv_connector else []
+    return [
+        (c.get("kv_connector", "?"), c.get("kv_role"))
+        for c in (kv.kv_connector_extra_config or {}).get("connectors", [])
+    ]

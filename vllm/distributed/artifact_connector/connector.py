@@ -20,10 +20,9 @@ the publisher and reports acknowledgements back.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from copy import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -128,8 +127,6 @@ class ArtifactSchedulerConnector:
         self._abandoned: set[AttemptId] = set()
         # Requests that stopped in the engine but cannot get routes.
         self._finish_errors: dict[str, str] = {}
-        # Stop boundaries set by the frontend (stop strings), in rows.
-        self._boundaries: dict[str, int] = {}
         # Outputs to emit with the next update (no acknowledgement needed).
         self._ready: list[tuple[int, EngineCoreOutput]] = []
         # Messages for the next step's meta.
@@ -139,7 +136,6 @@ class ArtifactSchedulerConnector:
         self._discards: list[Discard] = []
         self._releases: list[Release] = []
         self._weight_version: str | None = None
-        self._engine_abort = False
 
     # ------------------------------------------------------------ messages
     def build_meta(
@@ -217,22 +213,6 @@ class ArtifactSchedulerConnector:
         if live is not None and live.error is None:
             self._discards.append(Discard(request.request_id, live.attempt))
 
-    def set_boundary(self, req_id: str, num_rows: int) -> None:
-        """The frontend found a stop string: the request's rows end at
-        ``num_rows`` (it aborts the request right after)."""
-        self._boundaries[req_id] = num_rows
-
-    @contextlib.contextmanager
-    def engine_abort(self) -> Iterator[None]:
-        """Requests aborted inside this context (pause with abort, shutdown)
-        are aborts at the executed boundary: their callers get the tokens
-        produced so far, and routes covering exactly those."""
-        self._engine_abort = True
-        try:
-            yield
-        finally:
-            self._engine_abort = False
-
     def on_finish(self, request: Request) -> None:
         """The request left the scheduler (any reason)."""
         from vllm.v1.engine import EngineCoreOutput, FinishReason
@@ -241,7 +221,6 @@ class ArtifactSchedulerConnector:
         req_id = request.request_id
         live = self._live.pop(req_id, None)
         self._attempt_counts.pop(req_id, None)
-        boundary = self._boundaries.pop(req_id, None)
         status = request.status
         num_executed = request.num_tokens - 1
         engine_finish = status in (
@@ -249,21 +228,18 @@ class ArtifactSchedulerConnector:
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_REPETITION,
         )
-        if engine_finish:
-            num_rows = num_executed
-        elif status == RequestStatus.FINISHED_ABORTED and boundary is not None:
-            num_rows = min(boundary, num_executed)
-        elif (
-            status == RequestStatus.FINISHED_ABORTED
-            and self._engine_abort
-            and request.num_output_tokens > 0
+        if not engine_finish and not (
+            status == RequestStatus.FINISHED_ABORTED and request.num_output_tokens
         ):
-            num_rows = num_executed
-        else:
-            # Client gone, an error, or nothing returned: no routes owed.
+            # An error, or aborted before any token was returned: no routes.
             if live is not None and live.error is None:
                 self._discards.append(Discard(req_id, live.attempt))
             return
+        # An abort is a finish at the executed boundary: every token the
+        # engine appended was already sent to the frontend (late tokens of
+        # an aborted request are dropped), so the routes cover exactly the
+        # returned tokens. The frontend cuts them further at a stop string.
+        num_rows = num_executed
         first_row = min(request.sampling_params.routed_experts_prompt_start, num_rows)  # type: ignore[union-attr]
         entry = _Awaiting(
             req_id,
@@ -274,8 +250,8 @@ class ArtifactSchedulerConnector:
             time.monotonic() + ACK_TIMEOUT_S,
         )
         if not engine_finish:
-            # finish_requests() emits nothing for aborts; the caller still
-            # waits for this one.
+            # finish_requests() emits nothing for aborts; this output carries
+            # the routes (a caller still waiting uses it, others drop it).
             entry.output = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=[],
@@ -308,7 +284,7 @@ class ArtifactSchedulerConnector:
                 request.all_token_ids[full * bs : num_rows],
                 extra,
             )
-        kind = Finalize if engine_finish or boundary is not None else Abort
+        kind = Finalize if engine_finish else Abort
         self._finalizes.append(kind(req_id, live.attempt, num_rows, tail_hash))
         aid = (req_id, live.attempt)
         self._awaiting[aid] = entry
@@ -330,10 +306,18 @@ class ArtifactSchedulerConnector:
         self._awaiting[aid].output = output
         return True
 
+    def owes_output(self, req_id: str) -> bool:
+        """Whether the connector emits this finished request's terminal
+        output (with its routes) itself."""
+        return req_id in self._awaiting_by_req or any(
+            o.request_id == req_id for _, o in self._ready
+        )
+
     def has_pending(self) -> bool:
-        """Whether outputs wait for acknowledgements (keeps the engine
-        stepping, empty steps included, until they are emitted)."""
-        return bool(self._awaiting or self._ready)
+        """Whether outputs wait for acknowledgements, or releases for the
+        worker: keeps the engine stepping (empty steps included) until they
+        are emitted and sent, so an idle engine retains nothing."""
+        return bool(self._awaiting or self._ready or self._releases or self._discards)
 
     # ------------------------------------------------------------ outputs
     def update_from_output(
@@ -649,7 +633,50 @@ class ArtifactWorkerConnector:
             self._awaiting.difference_update(done)
         return report
 
+    def stats(self) -> dict[str, int]:
+        """Store counters, attempts alive and row-slab pages in use; empty
+        on ranks that do not publish."""
+        return {} if self._publisher is None else self._publisher.stats()
+
     def close(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+
+
+# ======================================================================
+# Frontend
+# ======================================================================
+def remove_dead_stores(vllm_config: VllmConfig, wait_s: float = 5.0) -> None:
+    """Called by the frontend once its engine processes are stopped. A
+    shutdown may kill them before the worker removes its store (``vllm
+    serve`` on SIGINT does): remove the stores under the root whose writer is
+    proven dead, waiting up to ``wait_s`` for this engine's killed workers to
+    be gone, and the root when that leaves it empty. Live engines' stores are
+    never touched."""
+    import contextlib
+    import os
+
+    from vllm.distributed.artifact_connector.shm import collect_stale_stores
+
+    cfg = vllm_config.artifact_config
+    if not cfg.enable_routed_experts:
+        return
+    ours = {
+        cfg.namespace(rank)
+        for rank in range(vllm_config.parallel_config.data_parallel_size)
+    }
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            report = collect_stale_stores(cfg.shm_root, cfg.inactive_ttl_s)
+        except (ArtifactError, OSError) as e:
+            logger.warning("could not clean up the artifact store root: %s", e)
+            return
+        if report.removed:
+            logger.info("removed artifact stores of dead engines: %s", report.removed)
+        if not ours & set(report.kept_alive) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # a killed worker is still exiting
+    with contextlib.suppress(OSError):
+        os.rmdir(cfg.shm_root)

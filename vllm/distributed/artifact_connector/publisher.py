@@ -429,6 +429,15 @@ class ArtifactPublisher:
                 progress.append(item)
         return ArtifactWorkerReport(tuple(progress), tuple(acks), tuple(failures))
 
+    @_engine_side
+    def stats(self) -> dict[str, int]:
+        """The store's counters, plus the attempts alive and the row-slab
+        pages in use (approximate while the engine runs)."""
+        out = dataclasses.asdict(self._writer.stats())
+        out["attempts"] = len(self._attempts)
+        out["slab_pages_used"] = self.slab.num_pages - self.slab.num_free()
+        return out
+
     def wait_idle(self, timeout_s: float | None = None) -> None:
         """Block until every work item handed over so far is done (tests,
         shutdown)."""

@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Shared pieces of the R3 engine tests: the store root, engine arguments and
+the row-by-row comparison with transformers' router."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import numpy as np
+
+from utils.oracle import expected_r3
+
+# The tests read the publishing worker's counters with collective_rpc(fn),
+# which needs pickled functions (test engines only; set before they start).
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+BLOCK_SIZE = 32
+SHARED_PREFIX = (
+    "Reinforcement learning needs the same routes in training and inference. "
+    "A router picks the top k experts for each token in each layer. "
+    "The prefix cache reuses key and value blocks across requests. "
+    "Every block of thirty two tokens gets a hash that chains to its parent. "
+    "Shared memory lets two processes on one node exchange bytes quickly. "
+)
+PROMPTS = [
+    "Hello, how are you today?",
+    "Mixture of experts models route every token to a few experts.",
+    "Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in text.",
+    "def add(a, b): return a + b",
+    "Write a short poem about the sea and the sky.",
+    "Once",
+]
+
+
+def shm_root() -> str:
+    """A store root for one engine; the conftest leak guard attributes it to
+    this test session (the pid is in its name) and the writer removes it on
+    a clean shutdown."""
+    return f"/dev/shm/vart-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def engine_kwargs(model, **overrides) -> dict:
+    kwargs = dict(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        enable_routed_experts=True,
+        max_model_len=1024,
+        max_num_seqs=8,
+        seed=0,
+        artifact_config={"shm_root": shm_root()},
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def greedy(max_tokens: int = 10, **kw):
+    from vllm import SamplingParams
+
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def assert_exact(model, prompt_ids, completion, dtype=np.uint8, first_row=0):
+    """``completion.routed_experts`` equals transformers' router for every
+    executed token (prompt + completion minus the last sampled token), from
+    ``first_row`` on; returns the full oracle array."""
+    got = completion.routed_experts
+    assert got is not None, (
+        f"no routed_experts (finish {completion.finish_reason}, "
+        f"error {completion.routed_experts_error})"
+    )
+    assert completion.routed_experts_error is None
+    want = expected_r3(model, prompt_ids, completion.token_ids)
+    assert got.dtype == dtype, got.dtype
+    want_part = want[first_row:]
+    assert got.shape == want_part.shape, (got.shape, want_part.shape)
+    bad = np.argwhere(got != want_part)
+    assert bad.size == 0, (
+        f"{len(bad)} routes differ from transformers' router, first at "
+        f"[row, layer, k] = {(bad[0] + [first_row, 0, 0]).tolist()}"
+    )
+    return want
+
+
+def worker_stats(llm) -> dict:
+    """The publishing worker's connector counters (first rank)."""
+
+    def stats(worker):
+        return worker.model_runner.artifact_connector.stats()
+
+    return llm.collective_rpc(stats)[0]
+
+
+def assert_nothing_retained(llm, timeout_s: float = 10.0) -> None:
+    """Once the engine is idle, no request retains store objects and no row
+    page is in use."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = worker_stats(llm)
+        if s["retainers"] == 0 and s["slab_pages_used"] == 0 and not s["attempts"]:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"retained after the requests finished: {s}")
+        time.sleep(0.1)
