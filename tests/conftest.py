@@ -30,6 +30,10 @@ apply_harness_env(override=True)
 tempfile.tempdir = None  # re-read TMPDIR (now inside .cache/)
 
 
+# tests/gpu runs on the lent GPU through tests/gpu/device_run.sh (with
+# --confcutdir=tests/gpu, so this file is not loaded there), never on the CPU.
+collect_ignore = ["gpu"]
+
 GUARDED = ("/dev/shm", "/tmp")
 
 

@@ -78,6 +78,17 @@ def _shm_name(tag: str) -> str:
     return f"/dev/shm/vart-test-{os.getpid()}-{tag}"
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Building some configs changes os.environ (the external_launcher
+    executor sets VLLM_ENABLE_V1_MULTIPROCESSING=0); later engine tests must
+    not inherit that."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def parser() -> FlexibleArgumentParser:
     return EngineArgs.add_cli_args(FlexibleArgumentParser())

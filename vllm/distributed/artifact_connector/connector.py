@@ -123,8 +123,11 @@ class ArtifactSchedulerConnector:
         self._live: dict[str, _Live] = {}
         self._awaiting: dict[AttemptId, _Awaiting] = {}
         self._awaiting_by_req: dict[str, AttemptId] = {}
-        # Acknowledgements that may still arrive for timed-out finishes.
-        self._abandoned: set[AttemptId] = set()
+        # Preempted attempts, kept until the request resumes (a new attempt)
+        # or finishes first: with async scheduling an output already in
+        # flight can finish a preempted request, and its rows are those of
+        # the preempted attempt.
+        self._preempted: dict[str, _Live] = {}
         # Requests that stopped in the engine but cannot get routes.
         self._finish_errors: dict[str, str] = {}
         # Outputs to emit with the next update (no acknowledgement needed).
@@ -149,6 +152,9 @@ class ArtifactSchedulerConnector:
             request = requests[req_id]
             attempt = self._attempt_counts.get(req_id, 0) + 1
             self._attempt_counts[req_id] = attempt
+            old = self._preempted.pop(req_id, None)
+            if old is not None and old.error is None:
+                self._discards.append(Discard(req_id, old.attempt))
             cached = new.num_computed_tokens
             if cached % bs:
                 self._live[req_id] = _Live(
@@ -207,11 +213,12 @@ class ArtifactSchedulerConnector:
 
     # ------------------------------------------------------------ lifecycle
     def on_preempt(self, request: Request) -> None:
-        """The attempt ends without output; the request resumes as a new
-        attempt that recomputes from its cached length."""
+        """The request resumes later as a new attempt that recomputes from
+        its cached length; the preempted attempt is discarded then (or
+        finalized, if the request finishes first)."""
         live = self._live.pop(request.request_id, None)
-        if live is not None and live.error is None:
-            self._discards.append(Discard(request.request_id, live.attempt))
+        if live is not None:
+            self._preempted[request.request_id] = live
 
     def on_finish(self, request: Request) -> None:
         """The request left the scheduler (any reason)."""
@@ -219,7 +226,7 @@ class ArtifactSchedulerConnector:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
-        live = self._live.pop(req_id, None)
+        live = self._live.pop(req_id, None) or self._preempted.pop(req_id, None)
         self._attempt_counts.pop(req_id, None)
         status = request.status
         num_executed = request.num_tokens - 1
@@ -260,8 +267,7 @@ class ArtifactSchedulerConnector:
             )
         if live is None or live.error is not None:
             error = (
-                "ArtifactError: the request was preempted and not yet resumed "
-                "when it ended, so no routes cover its tokens"
+                "ArtifactError: the request never ran, so no routes cover its tokens"
             )
             if live is not None and live.error is not None:
                 error = live.error
@@ -365,9 +371,8 @@ class ArtifactSchedulerConnector:
                     to_fail[failure.req_id] = error
         now = time.monotonic()
         for aid, entry in list(self._awaiting.items()):
-            if aid[1] != -1 and entry.deadline < now:
+            if entry.deadline < now:
                 self._pop_awaiting(aid)
-                self._abandoned.add(aid)
                 timeout = ArtifactAckTimeout(
                     f"no acknowledgement of request {aid[0]} from the publishing "
                     f"worker within {ACK_TIMEOUT_S:g} s"
@@ -393,7 +398,6 @@ class ArtifactSchedulerConnector:
         entry = self._awaiting.pop(aid, None)
         if entry is not None:
             del self._awaiting_by_req[entry.req_id]
-        self._abandoned.discard(aid)
         return entry
 
     def _emit(

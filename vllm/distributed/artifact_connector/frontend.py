@@ -31,8 +31,11 @@ def finish_pending_stop(req_state: RequestState, output: EngineCoreOutput) -> bo
     output.new_token_ids = []
     output.new_logprobs = None
     output.new_sampling_mask = None
-    output.finish_reason = FinishReason.STOP
-    output.stop_reason = req_state.pending_stop
+    if output.artifact_error is None:
+        output.finish_reason = FinishReason.STOP
+        output.stop_reason = req_state.pending_stop
+    else:  # no routes: fail like any other finish whose routes failed
+        output.finish_reason = FinishReason.ERROR
     if output.routed_experts is not None:
         # Every token the engine executed reached the frontend before this
         # output, so the routes end num_past rows after the returned tokens.

@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One offline engine run for the GPU R3 tests, in its own process.
+
+    python3 tests/gpu/r3_engine.py SPEC_JSON OUT_PREFIX
+
+SPEC_JSON (a JSON string) names the tree (``fork``: the Artifact Connector,
+``enable_routed_experts``; ``base``: the pristine 0.32.0 tree's AuxOutput R3,
+``enable_return_routed_experts``), the model directory, the scheduling knobs
+and the rounds of prompts (indices into :func:`prompts`). Writes
+``OUT_PREFIX.json`` (token IDs, cached tokens, errors, dtypes, engine facts)
+and ``OUT_PREFIX.npz`` (``r{round}_p{prompt}``: the returned routes) and prints
+``RESULT <json summary>``. Which ``vllm`` is imported is up to PYTHONPATH.
+
+Prompts are token IDs (the engine is started with ``skip_tokenizer_init``):
+a shared prefix of :data:`PREFIX_LEN` tokens and suffixes of different
+lengths, all drawn from a fixed seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+
+import numpy as np
+
+PREFIX_LEN = 256  # 16 blocks of 16 tokens
+ROUND1 = [0, 1, 2, 3, 4, 5]
+ROUND2 = [0, 1, 2, 3, 4, 5, 6, 7]  # the same prompts again, and two new ones
+SUFFIX_LENS = [30, 100, 200, 300, 17, 340, 50, 5]
+
+
+def prompts(vocab: int = 512, first_id: int = 3) -> list[list[int]]:
+    """Deterministic token-ID prompts sharing a prefix (IDs avoid the special
+    tokens 0..first_id-1)."""
+    rng = np.random.RandomState(20261130)
+    prefix = rng.randint(first_id, vocab, size=PREFIX_LEN).tolist()
+    return [prefix + rng.randint(first_id, vocab, size=n).tolist() for n in SUFFIX_LENS]
+
+
+def _runner_name(worker) -> str:
+    mr = worker.model_runner
+    return f"{type(mr).__module__}.{type(mr).__qualname__}"
+
+
+def _attn_backend(worker) -> list[str]:
+    ctx = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    names = set()
+    for layer in ctx.values():
+        b = getattr(layer, "attn_backend", None)
+        if b is not None:
+            names.add(getattr(b, "__name__", type(b).__name__))
+    return sorted(names)
+
+
+def run(spec: dict, out_prefix: str) -> dict:
+    import torch
+
+    from vllm import LLM, SamplingParams
+
+    tree = spec["tree"]
+    shm_root = None
+    kw = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        attention_backend="TRITON_ATTN",
+        moe_backend="triton",
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=int(spec.get("max_batched", 4096)),
+        kv_cache_memory_bytes=1 << 30,
+        gpu_memory_utilization=float(spec.get("gpu_mem", 0.15)),
+        seed=0,
+    )
+    if int(spec.get("max_batched", 4096)) < kw["max_model_len"]:
+        kw["enable_chunked_prefill"] = True
+    if spec.get("async") is not None:
+        kw["async_scheduling"] = bool(spec["async"])
+    if tree == "fork":
+        shm_root = f"/dev/shm/r3-gpu-test-{os.getpid()}"
+        kw["enable_routed_experts"] = True
+        kw["artifact_config"] = {"shm_root": shm_root}
+    elif tree == "base":
+        kw["enable_return_routed_experts"] = True
+    else:
+        raise ValueError(tree)
+    for k, v in spec.get("override", {}).items():  # e.g. a CPU smoke run
+        if v is None:
+            kw.pop(k, None)
+        else:
+            kw[k] = v
+
+    import vllm
+
+    res: dict = {
+        "spec": spec,
+        "vllm_file": vllm.__file__,
+        "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT"),
+        "kwargs": {k: str(v) for k, v in kw.items()},
+    }
+    try:
+        import vllm.config.artifact  # noqa: F401
+
+        res["tree_has_artifact_config"] = True
+    except ImportError:
+        res["tree_has_artifact_config"] = False
+    t = time.time()
+    llm = LLM(**kw)
+    res["init_s"] = round(time.time() - t, 1)
+    cfg = llm.llm_engine.vllm_config
+    res["use_v2_model_runner"] = bool(cfg.use_v2_model_runner)
+    res["async_scheduling"] = cfg.scheduler_config.async_scheduling
+    res["chunked_prefill"] = cfg.scheduler_config.enable_chunked_prefill
+    res["max_num_batched_tokens"] = cfg.scheduler_config.max_num_batched_tokens
+    res["block_size"] = cfg.cache_config.block_size
+    res["num_hidden_layers"] = cfg.model_config.get_total_num_hidden_layers()
+    res["top_k"] = cfg.model_config.get_num_experts_per_tok()
+    res["num_experts"] = cfg.model_config.get_num_experts()
+    try:
+        res["runner"] = llm.collective_rpc(_runner_name)
+    except Exception as e:  # noqa: BLE001
+        res["runner"] = f"collective_rpc failed: {e!r}"
+    try:
+        res["attn_backend"] = llm.collective_rpc(_attn_backend)
+    except Exception as e:  # noqa: BLE001
+        res["attn_backend"] = f"collective_rpc failed: {e!r}"
+
+    ps = prompts(vocab=cfg.model_config.get_vocab_size())
+    sp = SamplingParams(
+        max_tokens=int(spec.get("max_tokens", 16)),
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    arrays: dict[str, np.ndarray] = {}
+    rounds = []
+    for r, idx in enumerate(spec.get("rounds", [ROUND1, ROUND2])):
+        t = time.time()
+        outs = llm.generate(
+            [{"prompt_token_ids": ps[i]} for i in idx], sp, use_tqdm=False
+        )
+        rr = []
+        for i, o in zip(idx, outs):
+            c = o.outputs[0]
+            re = getattr(c, "routed_experts", None)
+            d = {
+                "prompt": i,
+                "prompt_len": len(o.prompt_token_ids),
+                "prompt_ok": list(o.prompt_token_ids) == ps[i],
+                "num_cached_tokens": o.num_cached_tokens,
+                "token_ids": list(c.token_ids),
+                "finish_reason": c.finish_reason,
+                "routed_experts_error": getattr(c, "routed_experts_error", "<no attr>"),
+                "shape": None if re is None else list(re.shape),
+                "dtype": None if re is None else str(re.dtype),
+            }
+            if re is not None:
+                arrays[f"r{r}_p{i}"] = np.asarray(re)
+            rr.append(d)
+        rounds.append({"s": round(time.time() - t, 2), "outs": rr})
+    res["rounds"] = rounds
+    t = time.time()
+    llm.llm_engine.engine_core.shutdown()
+    res["shutdown_s"] = round(time.time() - t, 2)
+    del llm
+    if shm_root is not None:
+        time.sleep(0.5)
+        res["shm_root_left"] = os.path.exists(shm_root)
+        if res["shm_root_left"]:
+            res["shm_root_entries"] = sorted(os.listdir(shm_root))[:20]
+            shutil.rmtree(shm_root, ignore_errors=True)
+    try:
+        import vllm_pyshim as S
+
+        res["shim_ops_missing"] = sorted(S._MISSING)
+    except ImportError:
+        pass
+    res["torch"] = torch.__version__
+    np.savez(out_prefix + ".npz", **arrays)
+    return res
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    out_prefix = sys.argv[2]
+    t0 = time.time()
+    ok = True
+    try:
+        res = run(spec, out_prefix)
+    except BaseException as e:  # noqa: BLE001
+        traceback.print_exc()
+        ok = False
+        res = {
+            "spec": spec,
+            "error": repr(e)[:3000],
+            "traceback": traceback.format_exc()[-6000:],
+        }
+    res["ok"] = ok
+    res["wall_s"] = round(time.time() - t0, 1)
+    with open(out_prefix + ".json", "w") as f:
+        json.dump(res, f, default=str)
+    summary = {k: v for k, v in res.items() if k not in ("rounds", "traceback")}
+    print("RESULT " + json.dumps(summary, default=str), flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,597 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""R3 on the GPU: the fork's Model Runner V2 path on a real device.
+
+Meant for the GPU harness (../shared/tools/gpu/README.md): the fork's Python
+tree on PYTHONPATH (``/tmp/site``), the pristine 0.32.0 tree in
+``R3_BASE_SITE`` (default ``/tmp/site_base``, unpacked from
+``.devcarry/base_site.tgz`` when missing), a tiny real-weight Qwen3-MoE in
+``R3_GPU_MODEL`` (default ``.devcarry/models/tiny-moe``, built with
+``tools/build_tiny_moe.py --layers 3 --experts 16 --top-k 4``), float32,
+eager, TRITON_ATTN, the Triton MoE.
+
+Each engine runs in its own process (``r3_engine.py``), all of them at once:
+
+- ``ref``:     the fork, async scheduling (default), no chunking;
+- ``chunked``: the fork, ``max_num_batched_tokens=64`` (prompts of 260-600
+  tokens are prefilled in chunks);
+- ``sync``:    the fork, ``async_scheduling=False``;
+- ``sync_chunked``: both;
+- ``base``:    the pristine tree's own AuxOutput R3, as ``ref``;
+- ``ref_ieee``, ``chunked_ieee``: ``ref`` and ``chunked`` with
+  ``TRITON_F32_DEFAULT=ieee`` (Triton's float32 dots in full float32 instead
+  of TF32, the default).
+
+What must be exact and what may differ by numerics. Rows served from the
+prefix cache (replayed from the store) and the fork against the base (same
+kernels, same batches) must be bitwise equal. Routes *computed* in different
+batch shapes (chunked or not, async or not, round 1 across prompts) and the
+oracle (transformers on the CPU) may differ only at near-ties: wherever two
+routes differ, the experts exchanged must have router logits (transformers,
+float32) within ``TIE_TOL`` (0.05 with TF32 kernels, 1e-3 in IEEE float32;
+the median gap between adjacent top-k logits of this model is about 1.1),
+and such entries must stay rare (at most 1% resp. 0.1% of an array).
+Every comparison's exact-mismatch count is written to ``comparisons.json``.
+
+Each engine runs two rounds: six prompts sharing a 256-token prefix, then the
+same six (prefix-cache hits) and two new ones with the same prefix. Results
+(JSON + routes) land in ``R3_GPU_OUT`` (default ``$OUT/r3_gpu``).
+
+Run there through ``tests/gpu/device_run.sh`` (``python3 -m pytest -q
+--confcutdir=tests/gpu -p no:cacheprovider tests/gpu``; ``--confcutdir`` keeps
+the CPU harness's tests/conftest.py out), or ``python3 tests/gpu/test_r3_gpu.py``
+without pytest. ``R3_GPU_REPLAY=1 R3_GPU_OUT=<unpacked r3_gpu/>`` judges a
+device run's saved results again on any machine (no engine starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import pytest
+except ImportError:  # script mode on a machine without pytest
+    pytest = None
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from r3_engine import PREFIX_LEN, ROUND1, ROUND2  # noqa: E402
+
+MODEL = Path(os.environ.get("R3_GPU_MODEL", ROOT / ".devcarry" / "models" / "tiny-moe"))
+OUT = Path(os.environ.get("R3_GPU_OUT", Path(os.environ.get("OUT", "/tmp")) / "r3_gpu"))
+BASE_SITE = Path(os.environ.get("R3_BASE_SITE", "/tmp/site_base"))
+BASE_TGZ = ROOT / ".devcarry" / "base_site.tgz"
+TIMEOUT_S = float(os.environ.get("R3_GPU_ENGINE_TIMEOUT", "240"))
+# Serial retries of failed engines only while the whole collection is younger
+# than this (a broken fork must not eat the device call with retries).
+RETRY_BUDGET_S = float(os.environ.get("R3_GPU_RETRY_BUDGET", "200"))
+
+CASES = {
+    "ref": {"tree": "fork", "async": None, "max_batched": 4096},
+    "chunked": {"tree": "fork", "async": None, "max_batched": 64},
+    "sync": {"tree": "fork", "async": False, "max_batched": 4096},
+    "sync_chunked": {"tree": "fork", "async": False, "max_batched": 64},
+    "base": {"tree": "base", "async": None, "max_batched": 4096},
+    "ref_ieee": {"tree": "fork", "async": None, "max_batched": 4096, "f32": "ieee"},
+    "chunked_ieee": {"tree": "fork", "async": None, "max_batched": 64, "f32": "ieee"},
+}
+# (largest logit gap of an exchanged pair, largest share of differing entries
+# per compared array) by numerics: TF32 Triton dots (the default) or IEEE.
+TIE_TOL = {None: (0.05, 0.01), "ieee": (1e-3, 1e-3)}
+FORK_CASES = [c for c, s in CASES.items() if s["tree"] == "fork"]
+
+
+class Run:
+    """One engine's results: ``meta`` (JSON) and ``routes[(round, prompt)]``."""
+
+    def __init__(self, name: str, meta: dict, routes: dict, log: str):
+        self.name, self.meta, self.routes, self.log = name, meta, routes, log
+
+    def outs(self, rnd: int) -> dict[int, dict]:
+        return {d["prompt"]: d for d in self.meta["rounds"][rnd]["outs"]}
+
+
+def _base_pythonpath() -> str:
+    if not BASE_SITE.is_dir() and BASE_TGZ.is_file():
+        BASE_SITE.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(BASE_TGZ) as tf:
+            tf.extractall(BASE_SITE)
+    rest = os.environ.get("PYTHONPATH", "")
+    return f"{BASE_SITE}:{rest}" if rest else str(BASE_SITE)
+
+
+def _launch(name: str, spec: dict) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one engine per process already
+    if spec["tree"] == "base":
+        env["PYTHONPATH"] = _base_pythonpath()
+    if spec.get("f32"):
+        env["TRITON_F32_DEFAULT"] = spec["f32"]
+        env["TRITON_CACHE_DIR"] = f"/tmp/triton_cache_{spec['f32']}"
+    spec = dict(spec, model=str(MODEL))
+    log = open(OUT / f"{name}.log", "w")  # noqa: SIM115 (the child writes it)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "r3_engine.py"), json.dumps(spec), str(OUT / name)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=str(ROOT),
+    )
+
+
+def _load(name: str) -> Run:
+    log = (OUT / f"{name}.log").read_text(errors="replace")
+    try:
+        meta = json.loads((OUT / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        meta = {"ok": False, "error": "no result file"}
+    routes = {}
+    if meta.get("ok"):
+        with np.load(OUT / f"{name}.npz") as z:
+            for k in z.files:
+                r, p = k[1:].split("_p")
+                routes[(int(r), int(p))] = z[k]
+    return Run(name, meta, routes, log)
+
+
+def collect_runs() -> dict[str, Run]:
+    OUT.mkdir(parents=True, exist_ok=True)
+    serial = os.environ.get("R3_GPU_SERIAL") == "1"
+    names = os.environ.get("R3_GPU_CASES", " ".join(CASES)).split()
+    if os.environ.get("R3_GPU_REPLAY") == "1":
+        # Judge a finished device run's saved results again (no engines).
+        return {name: _load(name) for name in names}
+    t0 = time.time()
+    runs: dict[str, Run] = {}
+    pending = []
+    for name in names:
+        p = _launch(name, CASES[name])
+        if serial:
+            _wait(p, name)
+        pending.append((name, p))
+    for name, p in pending:
+        _wait(p, name)
+    for name in names:
+        runs[name] = _load(name)
+    # An engine that failed next to the others gets one serial retry, so a
+    # failure is never an artefact of running them concurrently.
+    failed = [n for n in names if not runs[n].meta.get("ok")]
+    for name in failed:
+        if time.time() - t0 > RETRY_BUDGET_S:
+            break
+        (OUT / f"{name}.log").rename(OUT / f"{name}.parallel.log")
+        p = _launch(name, CASES[name])
+        _wait(p, name)
+        runs[name] = _load(name)
+        runs[name].meta["retried_serially"] = True
+    summary = {
+        n: {
+            k: r.meta.get(k)
+            for k in (
+                "ok",
+                "wall_s",
+                "init_s",
+                "runner",
+                "attn_backend",
+                "use_v2_model_runner",
+                "async_scheduling",
+                "chunked_prefill",
+                "max_num_batched_tokens",
+                "shm_root_left",
+                "shim_ops_missing",
+                "error",
+                "retried_serially",
+            )
+        }
+        for n, r in runs.items()
+    }
+    summary["_wall_s"] = round(time.time() - t0, 1)
+    (OUT / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print("ENGINES " + json.dumps(summary, default=str), flush=True)
+    return runs
+
+
+def _wait(p: subprocess.Popen, name: str) -> None:
+    try:
+        p.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        with open(OUT / f"{name}.log", "a") as f:
+            f.write(f"\n[test_r3_gpu] killed after {TIMEOUT_S}s\n")
+
+
+def _need(runs: dict[str, Run], name: str) -> Run:
+    if name not in runs:
+        _skip(f"case {name} not run")
+    r = runs[name]
+    assert r.meta.get("ok"), (
+        f"engine {name} failed: {r.meta.get('error')}\n"
+        f"{r.meta.get('traceback', '')}\n--- log tail ---\n{r.log[-4000:]}"
+    )
+    return r
+
+
+def _skip(msg: str):
+    if pytest is not None:
+        pytest.skip(msg)
+    raise _Skip(msg)
+
+
+class _Skip(Exception):
+    pass
+
+
+if pytest is not None:
+
+    @pytest.fixture(scope="module")
+    def runs():
+        return collect_runs()
+
+
+# ----------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------
+
+
+def test_engines_ran_on_model_runner_v2(runs):
+    for name in runs:
+        r = _need(runs, name)
+        m = r.meta
+        assert m["use_v2_model_runner"] is True, (name, m["use_v2_model_runner"])
+        assert all("v1.worker.gpu.model_runner" in x for x in m["runner"]), (
+            name,
+            m["runner"],
+        )
+        assert "TRITON" in str(m.get("attn_backend")).upper() or (
+            "TRITON_ATTN" in r.log
+        ), (name, m.get("attn_backend"))
+        want_async = CASES[name]["async"]
+        assert m["async_scheduling"] is (True if want_async is None else want_async), (
+            name,
+            m["async_scheduling"],
+        )
+        assert m["max_num_batched_tokens"] == CASES[name]["max_batched"]
+        assert m["tree_has_artifact_config"] is (CASES[name]["tree"] == "fork"), name
+        assert m.get("TRITON_F32_DEFAULT") == CASES[name].get("f32"), name
+        for rnd in m["rounds"]:
+            for d in rnd["outs"]:
+                assert d["prompt_ok"] and len(d["token_ids"]) == 16, (name, d)
+
+
+def test_shape_dtype_and_no_error(runs):
+    for name in FORK_CASES:
+        r = _need(runs, name)
+        L, K, E = r.meta["num_hidden_layers"], r.meta["top_k"], r.meta["num_experts"]
+        assert r.meta.get("shm_root_left") is False, (name, "store left in /dev/shm")
+        for rnd in (0, 1):
+            for i, d in r.outs(rnd).items():
+                assert d["routed_experts_error"] is None, (name, rnd, i, d)
+                re = r.routes.get((rnd, i))
+                assert re is not None, (name, rnd, i, "no routed_experts")
+                n = d["prompt_len"] + len(d["token_ids"]) - 1
+                assert re.shape == (n, L, K), (name, rnd, i, re.shape, (n, L, K))
+                assert re.dtype == np.uint8, (name, re.dtype)
+                assert int(re.max()) < E
+                # k distinct experts per token and layer; not a zero fill
+                srt = np.sort(re.astype(np.int32), axis=-1)
+                assert (np.diff(srt, axis=-1) > 0).all(), (
+                    name,
+                    rnd,
+                    i,
+                    "repeated expert",
+                )
+                assert len(np.unique(re)) > K, (name, rnd, i, "degenerate routes")
+
+
+# ---------------------------------------------------------------- comparisons
+_COMPARISONS: dict[str, dict] = {}
+_HF: dict = {}
+
+
+def _hf_logits(ids: list[int]) -> np.ndarray | None:
+    """transformers' router logits [T, L, E] in float32 on the CPU, or None
+    without transformers."""
+    key = tuple(ids)
+    if key not in _HF:
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            return None
+        if "model" not in _HF:
+            _HF["model"] = AutoModelForCausalLM.from_pretrained(
+                str(MODEL), dtype=torch.float32
+            ).eval()
+        with torch.no_grad():
+            out = _HF["model"](torch.tensor([list(ids)]), output_router_logits=True)
+        t = len(ids)
+        _HF[key] = torch.stack(
+            [x.reshape(t, -1).float() for x in out.router_logits], dim=1
+        ).numpy()
+    return _HF[key]
+
+
+def _compare(
+    what: str,
+    a: np.ndarray,
+    b: np.ndarray,
+    ids: list[int] | None,
+    tol: tuple[float, float] | None,
+) -> dict:
+    """Entries where ``a`` and ``b`` differ: each must exchange experts whose
+    router logits (transformers, for ``ids``) lie within ``tol`` (``None``:
+    no difference allowed), and they must be rare. Returns counts."""
+    a = a.astype(np.int64)
+    b = b.astype(np.int64)
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    bad = np.argwhere(a != b)
+    rep = {
+        "entries": int(a.size),
+        "mismatch": int(len(bad)),
+        "tokens_layers": int(len({(int(t), int(ly)) for t, ly, _ in bad})),
+        "max_gap": 0.0,
+    }
+    if len(bad):
+        rep["first"] = bad[:4].tolist()
+    if len(bad):
+        assert tol is not None, (what, rep)
+        logits = _hf_logits(ids) if ids is not None else None
+        assert logits is not None, (what, "differs and no oracle to call it a tie", rep)
+        assert logits.shape[:2] == a.shape[:2], (what, logits.shape, a.shape)
+        gaps = [
+            abs(float(logits[t, ly, a[t, ly, k]] - logits[t, ly, b[t, ly, k]]))
+            for t, ly, k in bad
+        ]
+        rep["max_gap"] = max(gaps)
+        max_gap, max_share = tol
+        assert rep["max_gap"] < max_gap, (what, "not a near-tie", rep)
+        assert len(bad) <= max_share * a.size + 2, (what, "too many ties", rep)
+    return rep
+
+
+def _record(key: str, rep: dict) -> None:
+    _COMPARISONS[key] = rep
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "comparisons.json").write_text(json.dumps(_COMPARISONS, indent=1))
+
+
+def _ids(r: Run, rnd: int, i: int) -> list[int]:
+    d = r.outs(rnd)[i]
+    return (_prompt_ids(i) + d["token_ids"])[:-1]
+
+
+def _assert_replayed(r: Run, name: str, i: int, cached: int) -> None:
+    """Rows of round 2's prompt ``i`` below ``cached`` came from the store:
+    each block of them is, bit for bit, that block of a round-1 request with
+    the same tokens up to it (whichever request published it)."""
+    bs = r.meta["block_size"]
+    got = r.routes[(1, i)]
+    ids = _prompt_ids(i)
+    for b in range(cached // bs):
+        lo, hi = b * bs, (b + 1) * bs
+        sources = [j for j in ROUND1 if _prompt_ids(j)[:hi] == ids[:hi]]
+        assert any(
+            np.array_equal(got[lo:hi], r.routes[(0, j)][lo:hi]) for j in sources
+        ), (
+            name,
+            "round 2 prompt",
+            i,
+            "block",
+            b,
+            "replayed rows match no round-1 request with these tokens",
+            sources,
+        )
+
+
+def test_prefix_cache_round_identical(runs):
+    """Round 2 repeats round 1's prompts: prefix-cache hits. The cached rows
+    are replayed from the store (bit for bit); the whole array equals round
+    1's up to near-ties (exactly, when round 1 computed the shared prefix
+    identically for every prompt)."""
+    for name in runs:
+        r = _need(runs, name)
+        tol = TIE_TOL[CASES[name].get("f32")]
+        o1, o2 = r.outs(0), r.outs(1)
+        total = {"entries": 0, "mismatch": 0, "max_gap": 0.0, "cached_tokens": {}}
+        for i in ROUND2:
+            cached = o2[i]["num_cached_tokens"]
+            total["cached_tokens"][i] = cached
+            assert cached >= PREFIX_LEN, (name, i, o2[i])
+            _assert_replayed(r, name, i, cached)
+            if i not in ROUND1:  # new prompt, cached prefix
+                continue
+            assert o1[i]["token_ids"] == o2[i]["token_ids"], (name, i)
+            rep = _compare(
+                f"{name} round 2 vs 1, prompt {i}",
+                r.routes[(0, i)],
+                r.routes[(1, i)],
+                _ids(r, 0, i),
+                tol,
+            )
+            for k in ("entries", "mismatch"):
+                total[k] += rep[k]
+            total["max_gap"] = max(total["max_gap"], rep["max_gap"])
+        _record(f"{name}: round 2 vs round 1", total)
+
+
+def test_shared_prefix_rows_equal(runs):
+    """Every prompt starts with the same 256 tokens, computed once per prompt
+    in round 1 (equal up to near-ties; exactly, so far) and served from the
+    cache in round 2 (checked bit for bit above)."""
+    for name in runs:
+        r = _need(runs, name)
+        tol = TIE_TOL[CASES[name].get("f32")]
+        ref = r.routes[(0, ROUND1[0])][:PREFIX_LEN]
+        ids = _prompt_ids(ROUND1[0])[:PREFIX_LEN]
+        total = {"entries": 0, "mismatch": 0, "max_gap": 0.0}
+        for (rnd, i), re in sorted(r.routes.items()):
+            rep = _compare(
+                f"{name} prefix rows, round {rnd + 1} prompt {i}",
+                re[:PREFIX_LEN],
+                ref,
+                ids,
+                tol,
+            )
+            for k in ("entries", "mismatch"):
+                total[k] += rep[k]
+            total["max_gap"] = max(total["max_gap"], rep["max_gap"])
+        _record(f"{name}: shared prefix rows", total)
+
+
+def _assert_same(a: Run, b: Run, what: str, tol: tuple[float, float] | None) -> dict:
+    total = {"entries": 0, "mismatch": 0, "tokens_layers": 0, "max_gap": 0.0}
+    for rnd in (0, 1):
+        oa, ob = a.outs(rnd), b.outs(rnd)
+        assert oa.keys() == ob.keys()
+        for i in oa:
+            assert oa[i]["token_ids"] == ob[i]["token_ids"], (what, rnd, i)
+            rep = _compare(
+                f"{what}, round {rnd + 1} prompt {i}",
+                a.routes[(rnd, i)],
+                b.routes[(rnd, i)],
+                _ids(a, rnd, i),
+                tol,
+            )
+            for k in ("entries", "mismatch", "tokens_layers"):
+                total[k] += rep[k]
+            total["max_gap"] = max(total["max_gap"], rep["max_gap"])
+            if rep["mismatch"]:
+                total.setdefault("where", []).append(
+                    {
+                        "round": rnd + 1,
+                        "prompt": i,
+                        "n": rep["mismatch"],
+                        "first": rep["first"],
+                    }
+                )
+    _record(what, total)
+    return total
+
+
+def test_chunked_prefill_same_routes(runs):
+    ref = _need(runs, "ref")
+    chunked = _need(runs, "chunked")
+    assert (
+        chunked.meta["chunked_prefill"] and chunked.meta["max_num_batched_tokens"] == 64
+    )
+    assert min(d["prompt_len"] for d in chunked.outs(0).values()) > 64
+    _assert_same(ref, chunked, "chunked (64) vs unchunked", TIE_TOL[None])
+
+
+def test_chunked_prefill_same_routes_ieee(runs):
+    _assert_same(
+        _need(runs, "ref_ieee"),
+        _need(runs, "chunked_ieee"),
+        "IEEE fp32: chunked (64) vs unchunked",
+        TIE_TOL["ieee"],
+    )
+
+
+def test_async_scheduling_off_same_routes(runs):
+    _assert_same(
+        _need(runs, "ref"), _need(runs, "sync"), "async off vs on", TIE_TOL[None]
+    )
+
+
+def test_sync_chunked_same_routes(runs):
+    _assert_same(
+        _need(runs, "ref"),
+        _need(runs, "sync_chunked"),
+        "async off + chunked vs ref",
+        TIE_TOL[None],
+    )
+
+
+def test_same_routes_as_base_aux_output(runs):
+    """The pristine tree's own R3 (AuxOutput) for the same weights, prompts
+    and kernels: identical tokens and routes, bit for bit (its dtype may
+    differ)."""
+    base = _need(runs, "base")
+    for rnd in base.meta["rounds"]:
+        for d in rnd["outs"]:
+            assert d["shape"] is not None, ("base returned no routes", d)
+    rep = _assert_same(_need(runs, "ref"), base, "fork vs base AuxOutput", None)
+    rep["base_dtype"] = base.meta["rounds"][0]["outs"][0]["dtype"]
+    _record("fork vs base AuxOutput", rep)
+
+
+def _oracle(runs, name: str, tol: tuple[float, float]) -> None:
+    if _hf_logits([3, 4]) is None:
+        _skip("transformers not importable")
+    import transformers
+
+    r = _need(runs, name)
+    total = {
+        "transformers": transformers.__version__,
+        "entries": 0,
+        "mismatch": 0,
+        "tokens_layers": 0,
+        "max_gap": 0.0,
+        "set_mismatch_tokens_layers": 0,
+    }
+    for (rnd, i), got in sorted(r.routes.items()):
+        ids = _ids(r, rnd, i)
+        logits = _hf_logits(ids)
+        k = got.shape[-1]
+        want = np.argsort(-logits, axis=-1, kind="stable")[..., :k]
+        same_set = (np.sort(got.astype(np.int64), -1) == np.sort(want, -1)).all(-1)
+        total["set_mismatch_tokens_layers"] += int((~same_set).sum())
+        rep = _compare(
+            f"{name} vs transformers, round {rnd + 1} prompt {i}", got, want, ids, tol
+        )
+        for key in ("entries", "mismatch", "tokens_layers"):
+            total[key] += rep[key]
+        total["max_gap"] = max(total["max_gap"], rep["max_gap"])
+    _record(f"{name} vs transformers router", total)
+    print("ORACLE " + json.dumps(total), flush=True)
+
+
+def test_matches_transformers_router(runs):
+    """Independent oracle: transformers' router top-k (float32, CPU) for
+    prompt + output minus the last token (tests/utils/oracle.py's contract)."""
+    _oracle(runs, "ref", TIE_TOL[None])
+
+
+def test_matches_transformers_router_ieee(runs):
+    _oracle(runs, "ref_ieee", TIE_TOL["ieee"])
+
+
+def _prompt_ids(i: int) -> list[int]:
+    from r3_engine import prompts
+
+    return prompts()[i]
+
+
+# ----------------------------------------------------------------------------
+# Script mode (no pytest on the machine)
+# ----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    import traceback
+
+    all_runs = collect_runs()
+    tests = [v for k, v in list(globals().items()) if k.startswith("test_")]
+    failed = 0
+    for fn in tests:
+        try:
+            fn(all_runs)
+            print(f"PASS {fn.__name__}", flush=True)
+        except _Skip as e:
+            print(f"SKIP {fn.__name__}: {e}", flush=True)
+        except Exception:  # noqa: BLE001
+            failed += 1
+            print(f"FAIL {fn.__name__}\n{traceback.format_exc()[-3000:]}", flush=True)
+    print(f"{len(tests) - failed}/{len(tests)} passed", flush=True)
+    sys.exit(1 if failed else 0)
