@@ -6,8 +6,12 @@
 
 SPEC_JSON (a JSON string) names the tree (``fork``: the Artifact Connector,
 ``enable_routed_experts``; ``base``: the pristine 0.32.0 tree's AuxOutput R3,
-``enable_return_routed_experts``), the model directory, the scheduling knobs
-and the rounds of prompts (indices into :func:`prompts`). Writes
+``enable_return_routed_experts``), the model directory, the scheduling knobs,
+the rounds of prompts (indices into :func:`prompts`) with the new tokens of
+each (``round_max_tokens``), and optionally a ``speculative`` config (then
+per-request acceptance metrics are recorded per output, and with
+``probe_ngram_async`` whether the config accepts ``method="ngram"`` with
+async scheduling on). Writes
 ``OUT_PREFIX.json`` (token IDs, cached tokens, errors, dtypes, engine facts)
 and ``OUT_PREFIX.npz`` (``r{round}_p{prompt}``: the returned routes) and prints
 ``RESULT <json summary>``. Which ``vllm`` is imported is up to PYTHONPATH.
@@ -34,17 +38,37 @@ ROUND2 = [0, 1, 2, 3, 4, 5, 6, 7]  # the same prompts again, and two new ones
 SUFFIX_LENS = [30, 100, 200, 300, 17, 340, 50, 5]
 
 
+# Prompts with repetition, for speculative decoding (indices 8..11): the shared
+# prefix, then a short pattern repeated (period, repeats), or (period 0) a
+# stretch of the prefix copied (n-gram drafts from the prefix).
+REPEATS = [(4, 16), (7, 10), (0, 64), (1, 24)]
+ROUND_REP = [8, 9, 10, 11]
+
+
 def prompts(vocab: int = 512, first_id: int = 3) -> list[list[int]]:
     """Deterministic token-ID prompts sharing a prefix (IDs avoid the special
-    tokens 0..first_id-1)."""
+    tokens 0..first_id-1): :data:`SUFFIX_LENS` random suffixes (indices 0..7),
+    then the repetitive ones of :data:`REPEATS` (8..11)."""
     rng = np.random.RandomState(20261130)
     prefix = rng.randint(first_id, vocab, size=PREFIX_LEN).tolist()
-    return [prefix + rng.randint(first_id, vocab, size=n).tolist() for n in SUFFIX_LENS]
+    out = [prefix + rng.randint(first_id, vocab, size=n).tolist() for n in SUFFIX_LENS]
+    for period, reps in REPEATS:
+        if period:
+            pattern = rng.randint(first_id, vocab, size=period).tolist()
+            out.append(prefix + pattern * reps)
+        else:
+            out.append(prefix + prefix[100 : 100 + reps])
+    return out
 
 
 def _runner_name(worker) -> str:
     mr = worker.model_runner
     return f"{type(mr).__module__}.{type(mr).__qualname__}"
+
+
+def _speculator_name(worker) -> str | None:
+    sp = getattr(worker.model_runner, "speculator", None)
+    return None if sp is None else f"{type(sp).__module__}.{type(sp).__qualname__}"
 
 
 def _attn_backend(worker) -> list[str]:
@@ -91,6 +115,9 @@ def run(spec: dict, out_prefix: str) -> dict:
         kw["enable_return_routed_experts"] = True
     else:
         raise ValueError(tree)
+    if spec.get("speculative"):
+        kw["speculative_config"] = dict(spec["speculative"])
+        kw["per_request_spec_decode_metrics"] = "detailed"
     for k, v in spec.get("override", {}).items():  # e.g. a CPU smoke run
         if v is None:
             kw.pop(k, None)
@@ -111,6 +138,8 @@ def run(spec: dict, out_prefix: str) -> dict:
         res["tree_has_artifact_config"] = True
     except ImportError:
         res["tree_has_artifact_config"] = False
+    if spec.get("probe_ngram_async") and spec.get("speculative"):
+        res["ngram_async_probe"] = _probe_ngram_async(kw)
     t = time.time()
     llm = LLM(**kw)
     res["init_s"] = round(time.time() - t, 1)
@@ -123,6 +152,24 @@ def run(spec: dict, out_prefix: str) -> dict:
     res["num_hidden_layers"] = cfg.model_config.get_total_num_hidden_layers()
     res["top_k"] = cfg.model_config.get_num_experts_per_tok()
     res["num_experts"] = cfg.model_config.get_num_experts()
+    sc = cfg.speculative_config
+    res["speculative"] = (
+        None
+        if sc is None
+        else {
+            k: getattr(sc, k)
+            for k in (
+                "method",
+                "num_speculative_tokens",
+                "prompt_lookup_max",
+                "prompt_lookup_min",
+            )
+        }
+    )
+    try:
+        res["speculator"] = llm.collective_rpc(_speculator_name)
+    except Exception as e:  # noqa: BLE001
+        res["speculator"] = f"collective_rpc failed: {e!r}"
     try:
         res["runner"] = llm.collective_rpc(_runner_name)
     except Exception as e:  # noqa: BLE001
@@ -133,15 +180,19 @@ def run(spec: dict, out_prefix: str) -> dict:
         res["attn_backend"] = f"collective_rpc failed: {e!r}"
 
     ps = prompts(vocab=cfg.model_config.get_vocab_size())
-    sp = SamplingParams(
-        max_tokens=int(spec.get("max_tokens", 16)),
-        temperature=0.0,
-        ignore_eos=True,
-        detokenize=False,
-    )
     arrays: dict[str, np.ndarray] = {}
     rounds = []
-    for r, idx in enumerate(spec.get("rounds", [ROUND1, ROUND2])):
+    round_ids = spec.get("rounds", [ROUND1, ROUND2])
+    round_max = spec.get("round_max_tokens") or [spec.get("max_tokens", 16)] * len(
+        round_ids
+    )
+    for r, (idx, max_tokens) in enumerate(zip(round_ids, round_max)):
+        sp = SamplingParams(
+            max_tokens=int(max_tokens),
+            temperature=0.0,
+            ignore_eos=True,
+            detokenize=False,
+        )
         t = time.time()
         outs = llm.generate(
             [{"prompt_token_ids": ps[i]} for i in idx], sp, use_tqdm=False
@@ -160,11 +211,14 @@ def run(spec: dict, out_prefix: str) -> dict:
                 "routed_experts_error": getattr(c, "routed_experts_error", "<no attr>"),
                 "shape": None if re is None else list(re.shape),
                 "dtype": None if re is None else str(re.dtype),
+                "spec_decode": _spec_metrics(getattr(c, "spec_decode_metrics", None)),
             }
             if re is not None:
                 arrays[f"r{r}_p{i}"] = np.asarray(re)
             rr.append(d)
-        rounds.append({"s": round(time.time() - t, 2), "outs": rr})
+        rounds.append(
+            {"s": round(time.time() - t, 2), "max_tokens": int(max_tokens), "outs": rr}
+        )
     res["rounds"] = rounds
     t = time.time()
     llm.llm_engine.engine_core.shutdown()
@@ -185,6 +239,39 @@ def run(spec: dict, out_prefix: str) -> dict:
     res["torch"] = torch.__version__
     np.savez(out_prefix + ".npz", **arrays)
     return res
+
+
+def _spec_metrics(m) -> dict | None:
+    """A request's speculative-decoding metrics (``detailed``): drafts
+    proposed, accepted and rejected, and per verify step."""
+    if m is None:
+        return None
+    hist = list(m.histogram)
+    accepted = sum(j * n for j, n in enumerate(hist))
+    return {
+        "num_draft_tokens": int(m.num_draft_tokens),
+        "accepted": int(accepted),
+        "rejected": int(m.num_draft_tokens - accepted),
+        "histogram": hist,
+        "per_step_accepted": list(m.per_step_accepted),
+        "per_step_drafted": list(m.per_step_drafted),
+    }
+
+
+def _probe_ngram_async(kw: dict) -> str:
+    """Does the config accept ``method="ngram"`` with async scheduling on?
+    Only the config is built (no engine, no R3 store)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    skip = ("enable_routed_experts", "artifact_config", "enable_return_routed_experts")
+    pkw = {k: v for k, v in kw.items() if k not in skip}
+    pkw["speculative_config"] = dict(kw["speculative_config"], method="ngram")
+    pkw["async_scheduling"] = True
+    try:
+        cfg = EngineArgs(**pkw).create_engine_config()
+    except Exception as e:  # noqa: BLE001
+        return f"refused: {type(e).__name__}: {e}"[:2000]
+    return f"accepted (async_scheduling={cfg.scheduler_config.async_scheduling})"
 
 
 def main() -> int:

@@ -20,7 +20,25 @@ Each engine runs in its own process (``r3_engine.py``), all of them at once:
 - ``base``:    the pristine tree's own AuxOutput R3, as ``ref``;
 - ``ref_ieee``, ``chunked_ieee``: ``ref`` and ``chunked`` with
   ``TRITON_F32_DEFAULT=ieee`` (Triton's float32 dots in full float32 instead
-  of TF32, the default).
+  of TF32, the default);
+- ``spec``: ``ref`` with Model Runner V2's n-gram speculator (3 draft tokens,
+  lookup 1..4), async scheduling on. The method is ``ngram_gpu``: 0.32.0's
+  config refuses ``method="ngram"`` with async scheduling on (only EAGLE/MTP/
+  draft model/``ngram_gpu``/DSpark/DFlash may; ``spec_sync`` records the
+  refusal) and Model Runner V2 runs the same ``NgramGPUSpeculator`` for both
+  names;
+- ``spec_sync``: ``method="ngram"`` as such, async left to the config (it
+  turns async scheduling off for ``ngram``);
+- ``spec_ieee``: ``spec`` in IEEE float32.
+
+``ref``, ``ref_ieee`` and the ``spec*`` cases run a third round: four
+prompts with repetition (the prefix, then a short pattern repeated, or a
+stretch of the prefix copied), 32 new tokens each. The speculative cases'
+routes must have the usual shape ``[N-1, L, K]`` (rows of rejected drafts
+dropped, rows of accepted ones kept), equal the non-speculative case's rows
+over the tokens both generated alike (greedy; up to near-ties, as for any
+routes computed in other batch shapes), and match transformers. Drafts must
+have been proposed, accepted and rejected (per-request acceptance metrics).
 
 What must be exact and what may differ by numerics. Rows served from the
 prefix cache (replayed from the store) and the fork against the base (same
@@ -33,9 +51,11 @@ the median gap between adjacent top-k logits of this model is about 1.1),
 and such entries must stay rare (at most 1% resp. 0.1% of an array).
 Every comparison's exact-mismatch count is written to ``comparisons.json``.
 
-Each engine runs two rounds: six prompts sharing a 256-token prefix, then the
-same six (prefix-cache hits) and two new ones with the same prefix. Results
-(JSON + routes) land in ``R3_GPU_OUT`` (default ``$OUT/r3_gpu``).
+Each engine runs two rounds (16 new tokens each): six prompts sharing a
+256-token prefix, then the same six (prefix-cache hits) and two new ones with
+the same prefix; ``ref``, ``ref_ieee`` and ``spec*`` add the third round of
+prompts with repetition described above. Results (JSON + routes) land in
+``R3_GPU_OUT`` (default ``$OUT/r3_gpu``).
 
 Run there through ``tests/gpu/device_run.sh`` (``python3 -m pytest -q
 --confcutdir=tests/gpu -p no:cacheprovider tests/gpu``; ``--confcutdir`` keeps
@@ -64,7 +84,7 @@ except ImportError:  # script mode on a machine without pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-from r3_engine import PREFIX_LEN, ROUND1, ROUND2  # noqa: E402
+from r3_engine import PREFIX_LEN, ROUND1, ROUND2, ROUND_REP  # noqa: E402
 
 MODEL = Path(os.environ.get("R3_GPU_MODEL", ROOT / ".devcarry" / "models" / "tiny-moe"))
 OUT = Path(os.environ.get("R3_GPU_OUT", Path(os.environ.get("OUT", "/tmp")) / "r3_gpu"))
@@ -75,19 +95,55 @@ TIMEOUT_S = float(os.environ.get("R3_GPU_ENGINE_TIMEOUT", "240"))
 # than this (a broken fork must not eat the device call with retries).
 RETRY_BUDGET_S = float(os.environ.get("R3_GPU_RETRY_BUDGET", "200"))
 
+# Three rounds: the six prompts, their prefix-cache hits plus two new ones,
+# and the prompts with repetition (32 new tokens).
+ROUNDS3 = {"rounds": [ROUND1, ROUND2, ROUND_REP], "round_max_tokens": [16, 16, 32]}
+NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 CASES = {
-    "ref": {"tree": "fork", "async": None, "max_batched": 4096},
+    "ref": {"tree": "fork", "async": None, "max_batched": 4096, **ROUNDS3},
     "chunked": {"tree": "fork", "async": None, "max_batched": 64},
     "sync": {"tree": "fork", "async": False, "max_batched": 4096},
     "sync_chunked": {"tree": "fork", "async": False, "max_batched": 64},
     "base": {"tree": "base", "async": None, "max_batched": 4096},
-    "ref_ieee": {"tree": "fork", "async": None, "max_batched": 4096, "f32": "ieee"},
+    "ref_ieee": {
+        "tree": "fork",
+        "async": None,
+        "max_batched": 4096,
+        "f32": "ieee",
+        **ROUNDS3,
+    },
     "chunked_ieee": {"tree": "fork", "async": None, "max_batched": 64, "f32": "ieee"},
+    "spec": {
+        "tree": "fork",
+        "async": True,
+        "max_batched": 4096,
+        "speculative": {"method": "ngram_gpu", **NGRAM},
+        **ROUNDS3,
+    },
+    "spec_sync": {
+        "tree": "fork",
+        "async": None,
+        "expect_async": False,  # the config turns it off for "ngram"
+        "max_batched": 4096,
+        "speculative": {"method": "ngram", **NGRAM},
+        "probe_ngram_async": True,
+        **ROUNDS3,
+    },
+    "spec_ieee": {
+        "tree": "fork",
+        "async": True,
+        "max_batched": 4096,
+        "f32": "ieee",
+        "speculative": {"method": "ngram_gpu", **NGRAM},
+        **ROUNDS3,
+    },
 }
 # (largest logit gap of an exchanged pair, largest share of differing entries
 # per compared array) by numerics: TF32 Triton dots (the default) or IEEE.
 TIE_TOL = {None: (0.05, 0.01), "ieee": (1e-3, 1e-3)}
 FORK_CASES = [c for c, s in CASES.items() if s["tree"] == "fork"]
+# speculative case -> the non-speculative case it must agree with
+SPEC_REF = {"spec": "ref", "spec_sync": "ref", "spec_ieee": "ref_ieee"}
 
 
 class Run:
@@ -188,6 +244,7 @@ def collect_runs() -> dict[str, Run]:
                 "async_scheduling",
                 "chunked_prefill",
                 "max_num_batched_tokens",
+                "speculative",
                 "shm_root_left",
                 "shim_ops_missing",
                 "error",
@@ -257,17 +314,22 @@ def test_engines_ran_on_model_runner_v2(runs):
         assert "TRITON" in str(m.get("attn_backend")).upper() or (
             "TRITON_ATTN" in r.log
         ), (name, m.get("attn_backend"))
-        want_async = CASES[name]["async"]
+        want_async = CASES[name].get("expect_async", CASES[name]["async"])
         assert m["async_scheduling"] is (True if want_async is None else want_async), (
             name,
             m["async_scheduling"],
         )
+        assert (m.get("speculative") or None) == CASES[name].get("speculative"), name
         assert m["max_num_batched_tokens"] == CASES[name]["max_batched"]
         assert m["tree_has_artifact_config"] is (CASES[name]["tree"] == "fork"), name
         assert m.get("TRITON_F32_DEFAULT") == CASES[name].get("f32"), name
-        for rnd in m["rounds"]:
+        want_rounds = CASES[name].get("rounds", [ROUND1, ROUND2])
+        assert len(m["rounds"]) == len(want_rounds), name
+        for rnd, idx in zip(m["rounds"], want_rounds):
+            assert [d["prompt"] for d in rnd["outs"]] == idx, name
+            n = rnd.get("max_tokens", 16)
             for d in rnd["outs"]:
-                assert d["prompt_ok"] and len(d["token_ids"]) == 16, (name, d)
+                assert d["prompt_ok"] and len(d["token_ids"]) == n, (name, d)
 
 
 def test_shape_dtype_and_no_error(runs):
@@ -275,7 +337,7 @@ def test_shape_dtype_and_no_error(runs):
         r = _need(runs, name)
         L, K, E = r.meta["num_hidden_layers"], r.meta["top_k"], r.meta["num_experts"]
         assert r.meta.get("shm_root_left") is False, (name, "store left in /dev/shm")
-        for rnd in (0, 1):
+        for rnd in range(len(r.meta["rounds"])):
             for i, d in r.outs(rnd).items():
                 assert d["routed_experts_error"] is None, (name, rnd, i, d)
                 re = r.routes.get((rnd, i))
@@ -566,6 +628,170 @@ def test_matches_transformers_router(runs):
 
 def test_matches_transformers_router_ieee(runs):
     _oracle(runs, "ref_ieee", TIE_TOL["ieee"])
+
+
+# ------------------------------------------------------- speculative decoding
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _assert_same_over_common_tokens(
+    ref: Run, spec: Run, what: str, tol: tuple[float, float]
+) -> dict:
+    """``spec``'s routes equal ``ref``'s (no speculation) for every prompt of
+    every round, over the rows whose input tokens are the same in both: the
+    prompt and the generated tokens up to the first that differs (greedy;
+    they differ only after a near-tie). Up to near-ties (``tol``)."""
+    total = {
+        "entries": 0,
+        "mismatch": 0,
+        "tokens_layers": 0,
+        "max_gap": 0.0,
+        "generated_rows": 0,
+        "generated_rows_compared": 0,
+        "prompts": 0,
+        "prompts_diverged": [],
+    }
+    assert len(spec.meta["rounds"]) == len(ref.meta["rounds"]), what
+    for rnd in range(len(spec.meta["rounds"])):
+        oa, ob = ref.outs(rnd), spec.outs(rnd)
+        assert oa.keys() == ob.keys(), (what, rnd)
+        for i in ob:
+            ta, tb = oa[i]["token_ids"], ob[i]["token_ids"]
+            c = _common_len(ta, tb)
+            plen = ob[i]["prompt_len"]
+            a, b = ref.routes[(rnd, i)], spec.routes[(rnd, i)]
+            # Row t is the route of input token t: rows below plen + c have
+            # the same tokens up to and including their own in both runs.
+            n = min(plen + c, len(a), len(b))
+            ids = (_prompt_ids(i) + tb)[:n]
+            rep = _compare(
+                f"{what}, round {rnd + 1} prompt {i} ({c} common tokens)",
+                a[:n],
+                b[:n],
+                ids,
+                tol,
+            )
+            for k in ("entries", "mismatch", "tokens_layers"):
+                total[k] += rep[k]
+            total["max_gap"] = max(total["max_gap"], rep["max_gap"])
+            # rows of generated tokens: plen .. plen + len(tb) - 2
+            total["generated_rows"] += len(tb) - 1
+            total["generated_rows_compared"] += max(0, n - plen)
+            total["prompts"] += 1
+            if c < len(tb):
+                total["prompts_diverged"].append(
+                    {"round": rnd + 1, "prompt": i, "common_tokens": c}
+                )
+            if rep["mismatch"]:
+                total.setdefault("where", []).append(
+                    {"round": rnd + 1, "prompt": i, "n": rep["mismatch"]}
+                )
+    # Greedy speculation must reproduce the tokens but for rare near-ties:
+    # most generated rows get compared.
+    assert total["generated_rows_compared"] >= total["generated_rows"] // 2, (
+        what,
+        total,
+    )
+    _record(what, total)
+    print("SPEC_VS_REF " + json.dumps({what: total}), flush=True)
+    return total
+
+
+def _spec_case(runs, name: str) -> Run:
+    r = _need(runs, name)
+    want = CASES[name]["speculative"]
+    assert r.meta.get("speculative") == want, (name, r.meta.get("speculative"))
+    assert all(
+        s is not None and s.endswith("NgramGPUSpeculator") for s in r.meta["speculator"]
+    ), (name, r.meta["speculator"])
+    return r
+
+
+def test_spec_decode_same_routes_as_ref(runs):
+    for name in ("spec", "spec_sync"):
+        if name in runs:
+            _assert_same_over_common_tokens(
+                _need(runs, SPEC_REF[name]),
+                _spec_case(runs, name),
+                f"{name} ({CASES[name]['speculative']['method']}) vs ref",
+                TIE_TOL[None],
+            )
+
+
+def test_spec_decode_same_routes_as_ref_ieee(runs):
+    _assert_same_over_common_tokens(
+        _need(runs, "ref_ieee"),
+        _spec_case(runs, "spec_ieee"),
+        "IEEE fp32: spec (ngram_gpu) vs ref_ieee",
+        TIE_TOL["ieee"],
+    )
+
+
+def test_spec_decode_drafts_accepted_and_rejected(runs):
+    """The acceptance metrics of every request (``detailed``): drafts were
+    proposed, some accepted, some rejected, and some verify steps kept part
+    of their drafts only (rows dropped from the middle of a step)."""
+    names = [n for n in SPEC_REF if n in runs]
+    if not names:
+        _skip("no speculative case run")
+    report = {}
+    for name in names:
+        r = _spec_case(runs, name)
+        tot = {"requests": 0, "num_draft_tokens": 0, "accepted": 0, "rejected": 0}
+        steps = {"steps": 0, "all_accepted": 0, "partial": 0, "none_accepted": 0}
+        per_round = []
+        for rnd in r.meta["rounds"]:
+            acc = drafts = 0
+            for d in rnd["outs"]:
+                m = d.get("spec_decode")
+                assert m is not None, (name, d["prompt"], "no spec_decode_metrics")
+                tot["requests"] += 1
+                for k in ("num_draft_tokens", "accepted", "rejected"):
+                    tot[k] += m[k]
+                acc += m["accepted"]
+                drafts += m["num_draft_tokens"]
+                for a, p in zip(m["per_step_accepted"], m["per_step_drafted"]):
+                    steps["steps"] += 1
+                    if a == p:
+                        steps["all_accepted"] += 1
+                    elif a == 0:
+                        steps["none_accepted"] += 1
+                    else:
+                        steps["partial"] += 1
+            per_round.append({"drafts": drafts, "accepted": acc})
+        tot["acceptance_rate"] = round(
+            tot["accepted"] / max(1, tot["num_draft_tokens"]), 3
+        )
+        tot["verify_steps"] = steps
+        tot["per_round"] = per_round
+        if "ngram_async_probe" in r.meta:
+            tot["ngram_async_probe"] = r.meta["ngram_async_probe"]
+        report[name] = tot
+        assert tot["num_draft_tokens"] > 0, (name, tot)
+        assert tot["accepted"] > 0 and tot["rejected"] > 0, (name, tot)
+        assert steps["partial"] > 0, (name, tot)
+    _record("speculative acceptance", report)
+    print("SPEC_ACCEPTANCE " + json.dumps(report), flush=True)
+
+
+def test_spec_decode_matches_transformers_router(runs):
+    for name in ("spec", "spec_sync"):
+        if name in runs:
+            _spec_case(runs, name)
+            _oracle(runs, name, TIE_TOL[None])
+
+
+def test_spec_decode_matches_transformers_router_ieee(runs):
+    _spec_case(runs, "spec_ieee")
+    _oracle(runs, "spec_ieee", TIE_TOL["ieee"])
 
 
 def _prompt_ids(i: int) -> list[int]:
