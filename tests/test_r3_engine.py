@@ -5,8 +5,9 @@ row by row against transformers' router in float32.
 
 Engines on the CPU harness: eager with async scheduling and compiled without
 it (the main cases, uint8 rows), a small KV cache with chunked prefill
-(preemption, int32 rows), and a model with a dense layer and 300 experts
-(int16 rows, zero rows for the dense layer). Speculative decoding runs on
+(preemption, int32 rows), tensor parallelism 2, a store small enough to
+evict, and a model with a dense layer and 300 experts (int16 rows, zero rows
+for the dense layer). Speculative decoding runs on
 the GPU (tests/gpu).
 After every test the publishing worker must retain nothing.
 """
@@ -28,7 +29,9 @@ from utils.r3 import (
     assert_nothing_retained,
     engine_kwargs,
     greedy,
+    pickled_rpc,
     shm_root,
+    worker_stats,
 )
 
 pytestmark = pytest.mark.engine
@@ -63,10 +66,18 @@ def llm(request, tiny_moe):
     _close(engine)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _pickled_rpc_for_this_module():
+    # For the whole module, not per call: the frontend decodes collective_rpc
+    # results on its output thread, which must see the same setting.
+    with pickled_rpc():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _idle_engine_retains_nothing(request):
     yield
-    for name in ("llm", "small_kv_llm", "dense_llm"):
+    for name in ("llm", "small_kv_llm", "tp2_llm", "tiny_store_llm", "dense_llm"):
         if name in request.fixturenames:
             assert_nothing_retained(request.getfixturevalue(name))
 
@@ -284,6 +295,82 @@ def test_chunked_prefill_and_preemption_stay_exact(small_kv_llm, tiny_moe):
     for out in outs:
         assert len(out.prompt_token_ids) > 2 * 64
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0], dtype=np.int32)
+
+
+# ------------------------------------------------- tensor parallelism
+@pytest.fixture(scope="module")
+def tp2_llm(tiny_moe):
+    # One CPU worker per rank, each on its own core (cpu-harness notes).
+    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        engine = _make(**engine_kwargs(tiny_moe, tensor_parallel_size=2))
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+    yield engine
+    _close(engine)
+
+
+def test_tensor_parallel_2_every_rank_captures_rank_0_publishes(tp2_llm, tiny_moe):
+    llm = tp2_llm
+    (first,) = llm.generate([SHARED_PREFIX + "one"], greedy(), use_tqdm=False)
+    outs = llm.generate([SHARED_PREFIX + "two", *PROMPTS[:2]], greedy(), use_tqdm=False)
+    for out in (first, *outs):
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+    assert (outs[0].num_cached_tokens or 0) >= 2 * BLOCK_SIZE
+
+    def publishes(worker):
+        return worker.model_runner.artifact_connector.stats() != {}
+
+    assert llm.collective_rpc(publishes) == [True, False]
+
+
+# --------------------------------------------- routes evicted from the store
+@pytest.fixture(scope="module")
+def tiny_store_llm(tiny_moe):
+    # 192 KiB: two 64 KiB arenas and the log; older arenas are evicted.
+    engine = _make(
+        **engine_kwargs(
+            tiny_moe,
+            max_model_len=2048,
+            max_num_batched_tokens=2048,
+            artifact_config={"shm_root": shm_root(), "capacity_bytes": 192 << 10},
+        )
+    )
+    yield engine
+    _close(engine)
+
+
+def test_evicted_routes_fail_only_the_request_that_needs_them(tiny_store_llm, tiny_moe):
+    from vllm.inputs import TokensPrompt
+
+    llm = tiny_store_llm
+    rng = np.random.default_rng(3)
+    vocab = llm.get_tokenizer().vocab_size
+
+    def prompt(n: int) -> TokensPrompt:
+        return TokensPrompt(prompt_token_ids=rng.integers(10, vocab, n).tolist())
+
+    victim = prompt(40 * BLOCK_SIZE + 5)
+    (a,) = llm.generate([victim], greedy(2), use_tqdm=False)
+    assert_exact(tiny_moe, a.prompt_token_ids, a.outputs[0])
+    # Other requests' routes push the victim's out of the store, while its
+    # KV blocks stay in the (much larger) KV cache.
+    for _ in range(6):
+        llm.generate([prompt(60 * BLOCK_SIZE)] * 1, greedy(1), use_tqdm=False)
+        if worker_stats(llm)["evicted_objects"] > 40:
+            break
+    assert worker_stats(llm)["evicted_objects"] > 40
+    (b,) = llm.generate([victim], greedy(2), use_tqdm=False)
+    cb = b.outputs[0]
+    assert (b.num_cached_tokens or 0) >= BLOCK_SIZE
+    assert cb.routed_experts is None and cb.finish_reason == "error"
+    assert cb.routed_experts_error.startswith("ObjectMissingError"), cb
+    (c,) = llm.generate([prompt(3 * BLOCK_SIZE)], greedy(), use_tqdm=False)
+    assert_exact(tiny_moe, c.prompt_token_ids, c.outputs[0])
 
 
 # ------------------------------------------------- speculative decoding

@@ -33,6 +33,10 @@ def server(tiny_moe):
         "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
         "--max-num-seqs", "8", "--enforce-eager", "--enable-prompt-tokens-details",
         "--artifact-config", json.dumps({"shm_root": root}),
+        # Drain on SIGINT instead of killing the engine at once, so every
+        # process removes its own files (a killed one leaves its shared
+        # memory to the resource tracker, which may be late for the guard).
+        "--shutdown-timeout", "30",
     ]  # fmt: skip
     old = os.environ.get("VLLM_SERVER_DEV_MODE")
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /pause and /resume

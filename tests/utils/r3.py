@@ -5,6 +5,7 @@ the row-by-row comparison with transformers' router."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -12,10 +13,6 @@ import uuid
 import numpy as np
 
 from utils.oracle import expected_r3
-
-# The tests read the publishing worker's counters with collective_rpc(fn),
-# which needs pickled functions (test engines only; set before they start).
-os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 BLOCK_SIZE = 32
 SHARED_PREFIX = (
@@ -86,6 +83,24 @@ def assert_exact(model, prompt_ids, completion, dtype=np.uint8, first_row=0):
         f"[row, layer, k] = {(bad[0] + [first_row, 0, 0]).tolist()}"
     )
     return want
+
+
+@contextlib.contextmanager
+def pickled_rpc():
+    """The tests read the publishing worker's counters with
+    ``collective_rpc(fn)``, which pickles ``fn`` and its result: allowed only
+    while the R3 engine tests run (their engines inherit it), so that no other
+    test sees the setting."""
+    name = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+    old = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def worker_stats(llm) -> dict:
