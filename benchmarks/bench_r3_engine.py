@@ -20,13 +20,14 @@ float32 by default; ``max_position`` raised for the long request),
      (the base's AuxOutput path; ``--make-base-venv`` creates that venv);
    * ``fork`` (c): the fork's ``.venv`` with ``enable_routed_experts=True``.
 
-   In each process: a warm-up (other prompts, 8 new tokens), then ``--reps``
+   In each process: a warm-up (other prompts, 2 new tokens), then ``--reps``
    timed ``LLM.generate`` calls of ``--prompts`` distinct random prompts of
    ``--prompt-len`` tokens, ``--new-tokens`` new tokens each (no prefix hits
    between calls). Throughput is output tokens over the call's wall time;
    a request's latency is from the call to the moment ``LLM.generate`` saw
    it finish (its progress-bar hook, ``use_tqdm=<callable>``). Then, in the
-   same process, the long request (3.) unless ``--long-prompt 0``. Routes
+   processes of ``--long-settings`` (off and fork), the long request (3.)
+   unless ``--long-prompt 0``. Routes
    are checked (every request has them, the right shape) and digested: the
    base's and the fork's must be the same routes.
 
@@ -49,8 +50,9 @@ float32 by default; ``max_position`` raised for the long request),
    to the end of that call.
 
 3. ``long``: one request of ``--long-prompt`` random tokens
-   (``max_model_len`` = prompt + 1024), ``--long-new`` new tokens, after a
-   warm-up request of the same length (other tokens); end-to-end latency
+   (``max_model_len`` = prompt + 1024 in every part-1 engine, whether it
+   serves the long request or not), ``--long-new`` new tokens, after a
+   warm-up request of up to 4,096 other tokens; end-to-end latency
    per setting, and the gap between the last token and the terminal output
    (``RequestOutputKind.DELTA`` through the engine's step loop: the time
    from the output that carried the second-to-last token to the terminal
