@@ -84,8 +84,9 @@ def _completion(client, prompt, **kw):
     extra = {"return_token_ids": True, "ignore_eos": True}
     extra.update(kw.pop("extra_body", {}))
     kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0.0)
     return client.completions.create(
-        model="tiny", prompt=prompt, temperature=0.0, extra_body=extra, **kw
+        model="tiny", prompt=prompt, extra_body=extra, **kw
     )
 
 
@@ -105,6 +106,95 @@ def _tito(server, token_ids, **sampling):
         "/inference/v1/generate",
         {"token_ids": token_ids, "sampling_params": sampling},
     )
+
+
+def _sse(server, path: str, body: dict) -> list:
+    """A streamed response's ``data:`` events, parsed (``"[DONE]"`` kept)."""
+    import httpx
+
+    events: list = []
+    with httpx.stream(
+        "POST", server.base_url + path, json={**body, "stream": True}, timeout=120
+    ) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _fields(choice) -> dict:
+    """An ``openai`` stream choice as the JSON the server sent for it."""
+    return {
+        "index": choice.index,
+        "finish_reason": choice.finish_reason,
+        **(choice.model_extra or {}),
+    }
+
+
+class _StreamedChoices:
+    """Per choice index: the streamed token IDs and the final chunk's routes.
+    Every chunk without a finish_reason must carry no routes, and each choice
+    must end exactly once."""
+
+    def __init__(self, absent: bool = True):
+        self.absent = absent  # OpenAI chunks leave the field out entirely
+        self.prompt_ids: dict[int, list[int]] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.routes: dict[int, np.ndarray] = {}
+        self.finish: dict[int, str] = {}
+
+    def add(self, choice: dict, prompt_ids: list[int] | None = None) -> None:
+        i = choice["index"]
+        assert i not in self.finish, f"choice {i} got a chunk after its final one"
+        if prompt_ids is not None:
+            self.prompt_ids[i] = list(prompt_ids)
+        self.token_ids.setdefault(i, []).extend(choice.get("token_ids") or [])
+        if choice.get("finish_reason") is None:
+            if self.absent:
+                assert "routed_experts" not in choice, choice
+            else:
+                assert choice.get("routed_experts") is None, choice
+            return
+        self.finish[i] = choice["finish_reason"]
+        self.routes[i] = _routes(choice)
+
+    def assert_exact(self, tiny_moe, n: int, first_row: int = 0, prompt_ids=None):
+        assert sorted(self.finish) == list(range(n)), self.finish
+        for i in range(n):
+            ids = prompt_ids if prompt_ids is not None else self.prompt_ids[i]
+            want = expected_r3(tiny_moe, ids, self.token_ids[i])
+            np.testing.assert_array_equal(self.routes[i], want[first_row:])
+
+
+def _objects(server) -> list[tuple[str, tuple[int, int]]]:
+    """The store's live objects (every version): (key, (arena id, offset))."""
+    from vllm.distributed.artifact_connector.shm import ShmStoreReader
+
+    (ns,) = os.listdir(server.shm_root)
+    reader = ShmStoreReader(server.shm_root, ns)
+    try:
+        idx = reader._index
+        slots = idx.live_slots()
+        places = zip(idx.arena[slots].tolist(), idx.off[slots].tolist())
+        return list(zip(idx.keys_of(slots), places))
+    finally:
+        reader.close()
+
+
+def _corrupt(server, places) -> None:
+    """Flip the first byte of each object behind the server's back."""
+    (ns,) = os.listdir(server.shm_root)
+    for aid, off in places:
+        fd = os.open(
+            os.path.join(server.shm_root, ns, f"{aid:016x}.arena"),
+            os.O_RDWR | os.O_NOFOLLOW,
+        )
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
+        finally:
+            os.close(fd)
 
 
 def test_completion_and_chat_match_transformers_router(client, tiny_moe):
@@ -200,27 +290,103 @@ def test_pause_with_abort_returns_routes_of_the_returned_tokens(
     _assert_choice_exact(tiny_moe, _completion(client, PROMPTS[2]))
 
 
-def test_corrupted_object_is_a_5xx_for_that_request_only(server, client, tiny_moe):
-    from vllm.distributed.artifact_connector.shm import ShmStoreReader
+def test_completion_stream_routes_on_each_final_chunk(client, tiny_moe):
+    # n=2 sampled: two different completions, each final chunk its own routes.
+    got = _StreamedChoices()
+    for chunk in _completion(
+        client, PROMPTS[1], n=2, temperature=1.0, stream=True, max_tokens=12
+    ):
+        for choice in chunk.choices:
+            extra = _fields(choice)
+            got.add(extra, extra.get("prompt_token_ids"))
+    got.assert_exact(tiny_moe, n=2)
+    # routed_experts_prompt_start cuts the leading prompt rows in a stream too.
+    start = 5
+    got = _StreamedChoices()
+    for chunk in _completion(
+        client,
+        PROMPTS[2],
+        stream=True,
+        extra_body={"routed_experts_prompt_start": start},
+    ):
+        for choice in chunk.choices:
+            extra = _fields(choice)
+            got.add(extra, extra.get("prompt_token_ids"))
+    got.assert_exact(tiny_moe, n=1, first_row=start)
+    # A stop string found while streaming: the routes end with the returned
+    # tokens (the frontend waits for the engine's routes after the stop).
+    free = _completion(client, PROMPTS[4], max_tokens=24).choices[0]
+    stop = free.text[len(free.text) // 3 : len(free.text) // 3 + 4]
+    assert stop.strip()
+    got = _StreamedChoices()
+    for chunk in _completion(
+        client, PROMPTS[4], max_tokens=24, stop=[stop], stream=True
+    ):
+        for choice in chunk.choices:
+            extra = _fields(choice)
+            got.add(extra, extra.get("prompt_token_ids"))
+    assert got.finish == {0: "stop"}, got.finish
+    assert len(got.token_ids[0]) < len(free.token_ids)
+    got.assert_exact(tiny_moe, n=1)
 
+
+def test_chat_stream_routes_on_the_final_chunk(client, tiny_moe):
+    start = 3
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Name three colours of the sea."}],
+        max_tokens=10,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "routed_experts_prompt_start": start,
+        },
+    )
+    got = _StreamedChoices()
+    prompt_ids = None
+    usage = None
+    for chunk in stream:
+        prompt_ids = (chunk.model_extra or {}).get("prompt_token_ids") or prompt_ids
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            got.add(_fields(choice))
+    assert prompt_ids is not None and usage is not None
+    assert len(prompt_ids) + len(got.token_ids[0]) == usage.total_tokens
+    got.assert_exact(tiny_moe, n=1, first_row=start, prompt_ids=prompt_ids)
+
+
+def test_token_in_token_out_stream_with_prompt_start(server, client, tiny_moe):
+    ids = _completion(client, PROMPTS[4]).choices[0].model_extra["prompt_token_ids"]
+    start = 4
+    events = _sse(
+        server,
+        "/inference/v1/generate",
+        {
+            "token_ids": ids,
+            "sampling_params": {
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "n": 2,
+                "routed_experts_prompt_start": start,
+            },
+        },
+    )
+    assert events[-1] == "[DONE]", events[-1]
+    got = _StreamedChoices(absent=False)
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            got.add(choice)
+    got.assert_exact(tiny_moe, n=2, first_row=start, prompt_ids=ids)
+
+
+def test_corrupted_object_is_a_5xx_for_that_request_only(server, client, tiny_moe):
     victim = SHARED_PREFIX + "These routes get corrupted behind the server."
     _assert_choice_exact(tiny_moe, _completion(client, victim))
-    (ns,) = os.listdir(server.shm_root)
-    reader = ShmStoreReader(server.shm_root, ns)
-    try:
-        idx = reader._index
-        slots = idx.live_slots()
-        for aid, off in zip(idx.arena[slots].tolist(), idx.off[slots].tolist()):
-            fd = os.open(
-                os.path.join(server.shm_root, ns, f"{aid:016x}.arena"),
-                os.O_RDWR | os.O_NOFOLLOW,
-            )
-            try:
-                os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
-            finally:
-                os.close(fd)
-    finally:
-        reader.close()
+    _corrupt(server, [place for _, place in _objects(server)])
     status, body = _post(
         server,
         "/v1/completions",
@@ -233,3 +399,94 @@ def test_corrupted_object_is_a_5xx_for_that_request_only(server, client, tiny_mo
         assert r.status == 200
     assert _post(server, "/reset_prefix_cache")[0] == 200
     _assert_choice_exact(tiny_moe, _completion(client, PROMPTS[3]))
+
+
+def test_stream_with_corrupted_routes_ends_in_the_error_event(server, client, tiny_moe):
+    # Prompts of their own (no block shared with other tests), served once so
+    # their blocks are published; only those objects are corrupted.
+    text = (
+        "A lighthouse keeper counts the ships that pass in the night and writes "
+        "their names into a book, one line for each ship and each hour. When "
+        "the fog comes in from the west, the keeper rings a bell every minute "
+        "and listens for the horns of the fishing boats that head for home. "
+    )
+    before = {key for key, _ in _objects(server)}
+    prompt_ids = _completion(client, text).choices[0].model_extra["prompt_token_ids"]
+    messages = [{"role": "user", "content": "Tell me again: " + text}]
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 6}
+    assert _post(server, "/v1/chat/completions", chat)[0] == 200
+    new = [place for key, place in _objects(server) if key not in before]
+    assert len(new) >= 2, new
+    _corrupt(server, new)
+
+    greedy = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    streams = {
+        "/v1/completions": {"model": "tiny", "prompt": prompt_ids, **greedy},
+        "/v1/chat/completions": {**chat, **greedy},
+        "/inference/v1/generate": {"token_ids": prompt_ids, "sampling_params": greedy},
+    }
+    for path, body in streams.items():
+        events = _sse(server, path, body)
+        assert events[-1] == "[DONE]", (path, events)
+        error = events[-2].get("error")
+        assert error is not None, (path, events[-2])
+        assert error["message"].startswith(
+            "routed experts unavailable: ChecksumMismatchError: "
+        ), (path, error)
+        assert error["code"] == 500, (path, error)
+        # No chunk ended the choice normally before the error.
+        for event in events[:-2]:
+            for choice in event.get("choices", []):
+                assert choice.get("finish_reason") is None, (path, event)
+    # The openai client raises the event's message while iterating.
+    import openai
+
+    with pytest.raises(openai.APIError, match="^routed experts unavailable: Check"):
+        for _ in _completion(client, prompt_ids, max_tokens=6, stream=True):
+            pass
+    # The server and other requests are unaffected, streamed or not.
+    got = _StreamedChoices()
+    for chunk in _completion(client, PROMPTS[5], stream=True):
+        for choice in chunk.choices:
+            extra = _fields(choice)
+            got.add(extra, extra.get("prompt_token_ids"))
+    got.assert_exact(tiny_moe, n=1)
+
+
+def test_merged_stream_outputs_keep_the_routes_error():
+    """A stream whose reader falls behind gets its outputs merged
+    (``RequestOutputCollector``, delta mode): the terminal output's
+    ``routed_experts_error`` must survive the merge, or the stream's error
+    event would lose its reason. No server needed."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    def output(token_ids, finish_reason=None, error=None) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text="",
+            token_ids=token_ids,
+            cumulative_logprob=None,
+            logprobs=None,
+            finish_reason=finish_reason,
+            routed_experts_error=error,
+        )
+        return RequestOutput(
+            request_id="r",
+            prompt=None,
+            prompt_token_ids=[1, 2],
+            prompt_logprobs=None,
+            outputs=[completion],
+            finished=finish_reason is not None,
+        )
+
+    collector = RequestOutputCollector(RequestOutputKind.DELTA, "r")
+    collector.put(output([3]))
+    collector.put(output([4], "error", "ChecksumMismatchError: bad object"))
+    merged = collector.get_nowait()
+    assert merged is not None and merged.finished
+    (completion,) = merged.outputs
+    assert list(completion.token_ids) == [3, 4]
+    assert completion.finish_reason == "error"
+    assert completion.routed_experts_error == "ChecksumMismatchError: bad object"
