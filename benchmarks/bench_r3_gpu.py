@@ -28,6 +28,9 @@ all its processes.
   prefill) / the time after it;
 * ``mean_latency_s``: mean over requests of (finish - submit).
 
+``BENCH_TP=2`` runs every setting at tensor parallelism 2 (two GPUs, the
+EngineCore in its own process, no custom all-reduce kernel).
+
 Run (device): ``python3 benchmarks/bench_r3_gpu.py [off base fork ...]``
 Worker (internal): ``python3 benchmarks/bench_r3_gpu.py --worker SETTING``
 Settings: ``off`` (pristine tree, R3 off), ``base``, ``fork``, ``fork_off``
@@ -50,6 +53,7 @@ PROMPT = int(os.environ.get("BENCH_PROMPT", "128"))
 TOKENS = int(os.environ.get("BENCH_TOKENS", "128"))
 REPS = int(os.environ.get("BENCH_REPS", "1"))
 LAYERS = int(os.environ.get("BENCH_LAYERS", "48"))
+TP = int(os.environ.get("BENCH_TP", "1"))
 VOCAB = int(os.environ.get("BENCH_VOCAB", "151936"))
 WORKER_TIMEOUT_S = float(os.environ.get("BENCH_WORKER_TIMEOUT", "240"))
 DEADLINE_S = float(os.environ.get("BENCH_DEADLINE", "560"))
@@ -181,6 +185,8 @@ def worker(setting: str) -> dict:
         max_model_len=1024, max_num_seqs=SEQS, max_num_batched_tokens=8192,
         kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.9, seed=0,
     )  # fmt: skip
+    if TP > 1:
+        kw.update(tensor_parallel_size=TP, disable_custom_all_reduce=True)
     # BENCH_OVERRIDE: JSON of engine arguments to set (null: drop), e.g. for a
     # smoke run of this script on the CPU harness.
     for k, v in json.loads(os.environ.get("BENCH_OVERRIDE", "{}")).items():
@@ -236,7 +242,9 @@ def worker(setting: str) -> dict:
 def _env(setting: str) -> dict:
     env = dict(os.environ)
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # As the GPU harness's TP=2 case was proven: the EngineCore in its own
+    # process when there are several workers.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if TP > 1 else "0"
     rest = env.get("PYTHONPATH", FORK_SITE)
     if SETTINGS[setting][0] == "base":
         if not BASE_SITE.is_dir() and BASE_TGZ.is_file():
@@ -330,6 +338,7 @@ def driver(order: list[str]) -> dict:
     return {
         "config": {
             "layers": LAYERS,
+            "tensor_parallel_size": TP,
             "experts": 128,
             "top_k": 8,
             "hidden": 2048,

@@ -33,6 +33,7 @@ from utils.r3 import (
     shm_root,
     worker_stats,
 )
+from utils.tp import rank_facts
 
 pytestmark = pytest.mark.engine
 
@@ -322,10 +323,122 @@ def test_tensor_parallel_2_every_rank_captures_rank_0_publishes(tp2_llm, tiny_mo
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     assert (outs[0].num_cached_tokens or 0) >= 2 * BLOCK_SIZE
 
-    def publishes(worker):
-        return worker.model_runner.artifact_connector.stats() != {}
+    # One request alone: the last forward's first row is its last route.
+    (last,) = llm.generate([PROMPTS[3]], greedy(), use_tqdm=False)
+    want = assert_exact(tiny_moe, last.prompt_token_ids, last.outputs[0])
+    rank0, rank1 = llm.collective_rpc(rank_facts)
+    assert (rank0["global_rank"], rank0["tp_rank"]) == (0, 0)
+    assert (rank1["global_rank"], rank1["tp_rank"]) == (1, 1)
+    assert rank0["pid"] != rank1["pid"]
+    # Both ranks captured the routes of every layer ...
+    for rank in (rank0, rank1):
+        assert rank["capture_row0"] == want[-1].tolist(), rank
+    # ... only rank 0 publishes and holds the store; rank 1 has nothing
+    # under the root open or mapped.
+    assert rank0["publishes"] and rank0["store_files_in_use"]
+    assert not rank1["publishes"] and rank1["store_files_in_use"] == []
+    cfg = llm.llm_engine.vllm_config.artifact_config
+    assert os.listdir(cfg.shm_root) == [cfg.namespace(0)]
 
-    assert llm.collective_rpc(publishes) == [True, False]
+
+# How long a held publication thread waits at most, so that a failing test
+# (a rank stuck on the publication) still ends: it outlasts the test's wait
+# for the steps.
+STALL_S = 60.0
+DECODE_WAIT_S = 30.0
+
+
+def _stall_publication(worker) -> bool:
+    """Rank 0's publication thread waits before each work item until
+    :func:`_resume_publication` (or ``STALL_S``); returns whether this rank
+    publishes."""
+    import threading
+
+    publisher = worker.model_runner.artifact_connector._publisher
+    if publisher is None:
+        return False
+    gate, entered = threading.Event(), threading.Event()
+    process = publisher._process
+
+    def stalled(work):
+        entered.set()
+        gate.wait(STALL_S)
+        process(work)
+
+    publisher._process = stalled
+    worker._r3_stall = (publisher, process, gate, entered)
+    return True
+
+
+def _resume_publication(worker) -> bool | None:
+    """Undo :func:`_stall_publication`; returns whether the thread was
+    waiting at the gate (None on a rank that does not publish)."""
+    stall = getattr(worker, "_r3_stall", None)
+    if stall is None:
+        return None
+    publisher, process, gate, entered = stall
+    publisher._process = process
+    gate.set()
+    del worker._r3_stall
+    return entered.is_set()
+
+
+def test_tensor_parallel_2_no_collective_waits_on_publication(tp2_llm, tiny_moe):
+    """Rank 0's publication thread is held while a request decodes: every
+    step still runs on both ranks (their forwards meet in all-reduces), so
+    no rank waits on the publication. Only the finish waits for it, for its
+    acknowledgement; once released, the routes are exact."""
+    import threading
+
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    llm, engine = tp2_llm, tp2_llm.llm_engine
+    max_tokens = 12
+    # Three full blocks at prefill and no block completed while decoding:
+    # the held thread's queue (start, prefill blocks, finalize) stays
+    # below the publisher's back-pressure bound.
+    ids = np.random.default_rng(5).integers(10, 400, 3 * BLOCK_SIZE + 2).tolist()
+    assert len(ids) % BLOCK_SIZE + max_tokens < BLOCK_SIZE
+    assert llm.collective_rpc(_stall_publication) == [True, False]
+    tokens: list[int] = []
+    finished = []
+
+    def decode() -> None:
+        while not finished:
+            for out in engine.step():
+                tokens.extend(out.outputs[0].token_ids)
+                if out.finished:
+                    finished.append(out)
+            if not finished and len(tokens) == max_tokens - 1:
+                return  # the last token comes with the held terminal output
+
+    try:
+        engine.add_request(
+            "held",
+            TokensPrompt(prompt_token_ids=ids),
+            greedy(max_tokens, output_kind=RequestOutputKind.DELTA),
+        )
+        stepper = threading.Thread(target=decode, daemon=True)
+        stepper.start()
+        stepper.join(timeout=DECODE_WAIT_S)
+        assert not stepper.is_alive(), f"steps stopped at {len(tokens)} tokens"
+        assert not finished, "finished before its routes were published"
+        assert len(tokens) == max_tokens - 1
+    finally:
+        waited = llm.collective_rpc(_resume_publication)
+    assert waited == [True, None], "the publication thread was never held"
+    while not finished:
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+            if out.finished:
+                finished.append(out)
+    (out,) = finished
+    assert len(tokens) == max_tokens
+    completion = out.outputs[0]
+    assert completion.routed_experts_error is None
+    assert completion.routed_experts.shape[0] == len(ids) + max_tokens - 1
+    assert np.array_equal(completion.routed_experts, expected_r3(tiny_moe, ids, tokens))
 
 
 # --------------------------------------------- routes evicted from the store

@@ -16,6 +16,12 @@ async scheduling on). Writes
 and ``OUT_PREFIX.npz`` (``r{round}_p{prompt}``: the returned routes) and prints
 ``RESULT <json summary>``. Which ``vllm`` is imported is up to PYTHONPATH.
 
+With ``tp`` > 1 (tensor parallelism), a last request alone (``probe``: 4 new
+tokens) ends the run, and each rank's part in R3 is recorded
+(tests/utils/tp.py's ``rank_facts``: whether it publishes, the store files it
+holds, its capture buffer's first row, which is then the probe's last route)
+with the store root's entries.
+
 Prompts are token IDs (the engine is started with ``skip_tokenizer_init``):
 a shared prefix of :data:`PREFIX_LEN` tokens and suffixes of different
 lengths, all drawn from a fixed seed.
@@ -31,6 +37,9 @@ import time
 import traceback
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from utils.tp import rank_facts  # noqa: E402
 
 PREFIX_LEN = 256  # 16 blocks of 16 tokens
 ROUND1 = [0, 1, 2, 3, 4, 5]
@@ -107,6 +116,10 @@ def run(spec: dict, out_prefix: str) -> dict:
         kw["enable_chunked_prefill"] = True
     if spec.get("async") is not None:
         kw["async_scheduling"] = bool(spec["async"])
+    tp = int(spec.get("tp", 1))
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
+        kw["disable_custom_all_reduce"] = True  # no custom all-reduce kernel here
     if tree == "fork":
         shm_root = f"/dev/shm/r3-gpu-test-{os.getpid()}"
         kw["enable_routed_experts"] = True
@@ -152,6 +165,7 @@ def run(spec: dict, out_prefix: str) -> dict:
     res["num_hidden_layers"] = cfg.model_config.get_total_num_hidden_layers()
     res["top_k"] = cfg.model_config.get_num_experts_per_tok()
     res["num_experts"] = cfg.model_config.get_num_experts()
+    res["tensor_parallel_size"] = cfg.parallel_config.tensor_parallel_size
     sc = cfg.speculative_config
     res["speculative"] = (
         None
@@ -220,6 +234,19 @@ def run(spec: dict, out_prefix: str) -> dict:
             {"s": round(time.time() - t, 2), "max_tokens": int(max_tokens), "outs": rr}
         )
     res["rounds"] = rounds
+    if tp > 1:
+        sp = SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        (o,) = llm.generate([{"prompt_token_ids": ps[1]}], sp, use_tqdm=False)
+        c = o.outputs[0]
+        res["probe"] = {"token_ids": list(c.token_ids), "error": c.routed_experts_error}
+        if c.routed_experts is not None:
+            arrays["probe"] = np.asarray(c.routed_experts)
+        res["ranks"] = llm.collective_rpc(rank_facts)
+        art = cfg.artifact_config
+        res["store_entries"] = sorted(os.listdir(art.shm_root))
+        res["namespace_rank0"] = art.namespace(0)
     t = time.time()
     llm.llm_engine.engine_core.shutdown()
     res["shutdown_s"] = round(time.time() - t, 2)

@@ -29,7 +29,13 @@ Each engine runs in its own process (``r3_engine.py``), all of them at once:
   names;
 - ``spec_sync``: ``method="ngram"`` as such, async left to the config (it
   turns async scheduling off for ``ngram``);
-- ``spec_ieee``: ``spec`` in IEEE float32.
+- ``spec_ieee``: ``spec`` in IEEE float32;
+- ``tp2``, ``tp2_ieee``, ``tp2_chunked_ieee``, ``tp2_sync_ieee``: ``ref``,
+  ``ref_ieee``, ``chunked_ieee`` and ``ref_ieee`` with async scheduling off,
+  at tensor parallelism 2 (two GPUs; skipped with fewer). Each must equal
+  its TP=1 case (``TP_REF``) up to near-ties, every rank must capture
+  (equal capture buffers) and only global rank 0 may publish and hold the
+  store.
 
 ``ref``, ``ref_ieee`` and the ``spec*`` cases run a third round: four
 prompts with repetition (the prefix, then a short pattern repeated, or a
@@ -137,6 +143,28 @@ CASES = {
         "speculative": {"method": "ngram_gpu", **NGRAM},
         **ROUNDS3,
     },
+    "tp2": {"tree": "fork", "async": None, "max_batched": 4096, "tp": 2},
+    "tp2_ieee": {
+        "tree": "fork",
+        "async": None,
+        "max_batched": 4096,
+        "f32": "ieee",
+        "tp": 2,
+    },
+    "tp2_chunked_ieee": {
+        "tree": "fork",
+        "async": None,
+        "max_batched": 64,
+        "f32": "ieee",
+        "tp": 2,
+    },
+    "tp2_sync_ieee": {
+        "tree": "fork",
+        "async": False,
+        "max_batched": 4096,
+        "f32": "ieee",
+        "tp": 2,
+    },
 }
 # (largest logit gap of an exchanged pair, largest share of differing entries
 # per compared array) by numerics: TF32 Triton dots (the default) or IEEE.
@@ -144,13 +172,23 @@ TIE_TOL = {None: (0.05, 0.01), "ieee": (1e-3, 1e-3)}
 FORK_CASES = [c for c, s in CASES.items() if s["tree"] == "fork"]
 # speculative case -> the non-speculative case it must agree with
 SPEC_REF = {"spec": "ref", "spec_sync": "ref", "spec_ieee": "ref_ieee"}
+# tensor-parallel case -> the TP=1 case it must equal
+TP_REF = {
+    "tp2": "ref",
+    "tp2_ieee": "ref_ieee",
+    "tp2_chunked_ieee": "chunked_ieee",
+    "tp2_sync_ieee": "ref_ieee",
+}
 
 
 class Run:
     """One engine's results: ``meta`` (JSON) and ``routes[(round, prompt)]``."""
 
-    def __init__(self, name: str, meta: dict, routes: dict, log: str):
+    def __init__(
+        self, name: str, meta: dict, routes: dict, log: str, probe=None
+    ) -> None:
         self.name, self.meta, self.routes, self.log = name, meta, routes, log
+        self.probe = probe  # the TP cases' last request alone
 
     def outs(self, rnd: int) -> dict[int, dict]:
         return {d["prompt"]: d for d in self.meta["rounds"][rnd]["outs"]}
@@ -169,7 +207,9 @@ def _launch(name: str, spec: dict) -> subprocess.Popen:
     env = dict(os.environ)
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one engine per process already
+    # One engine per process already; the TP cases keep the EngineCore in
+    # its own process, as the GPU harness's TP=2 case was proven with.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("tp", 1) > 1 else "0"
     if spec["tree"] == "base":
         env["PYTHONPATH"] = _base_pythonpath()
     if spec.get("f32"):
@@ -192,19 +232,24 @@ def _load(name: str) -> Run:
         meta = json.loads((OUT / f"{name}.json").read_text())
     except (OSError, ValueError):
         meta = {"ok": False, "error": "no result file"}
-    routes = {}
+    routes, probe = {}, None
     if meta.get("ok"):
         with np.load(OUT / f"{name}.npz") as z:
             for k in z.files:
+                if k == "probe":
+                    probe = z[k]
+                    continue
                 r, p = k[1:].split("_p")
                 routes[(int(r), int(p))] = z[k]
-    return Run(name, meta, routes, log)
+    return Run(name, meta, routes, log, probe)
 
 
 def collect_runs() -> dict[str, Run]:
     OUT.mkdir(parents=True, exist_ok=True)
     serial = os.environ.get("R3_GPU_SERIAL") == "1"
     names = os.environ.get("R3_GPU_CASES", " ".join(CASES)).split()
+    if _num_gpus() < 2:  # the TP cases are then skipped (``_need``)
+        names = [n for n in names if CASES[n].get("tp", 1) == 1]
     if os.environ.get("R3_GPU_REPLAY") == "1":
         # Judge a finished device run's saved results again (no engines).
         return {name: _load(name) for name in names}
@@ -257,6 +302,16 @@ def collect_runs() -> dict[str, Run]:
     (OUT / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print("ENGINES " + json.dumps(summary, default=str), flush=True)
     return runs
+
+
+def _num_gpus() -> int:
+    if os.environ.get("R3_GPU_REPLAY") == "1":
+        return 2
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
 
 
 def _wait(p: subprocess.Popen, name: str) -> None:
@@ -321,6 +376,7 @@ def test_engines_ran_on_model_runner_v2(runs):
         )
         assert (m.get("speculative") or None) == CASES[name].get("speculative"), name
         assert m["max_num_batched_tokens"] == CASES[name]["max_batched"]
+        assert m["tensor_parallel_size"] == CASES[name].get("tp", 1), name
         assert m["tree_has_artifact_config"] is (CASES[name]["tree"] == "fork"), name
         assert m.get("TRITON_F32_DEFAULT") == CASES[name].get("f32"), name
         want_rounds = CASES[name].get("rounds", [ROUND1, ROUND2])
@@ -628,6 +684,39 @@ def test_matches_transformers_router(runs):
 
 def test_matches_transformers_router_ieee(runs):
     _oracle(runs, "ref_ieee", TIE_TOL["ieee"])
+
+
+# ------------------------------------------------------- tensor parallelism
+
+
+def test_tp2_same_routes_as_tp1(runs):
+    """TP=2 splits every matmul across two GPUs and sums partial results in
+    another order, so computed routes may differ from TP=1 only at
+    near-ties (the same rule as for other batch shapes); tokens are equal."""
+    for name, ref in TP_REF.items():
+        tol = TIE_TOL[CASES[name].get("f32")]
+        _assert_same(_need(runs, ref), _need(runs, name), f"TP=2 vs TP=1: {name}", tol)
+
+
+def test_tp2_every_rank_captures_only_rank_0_publishes(runs):
+    for name in TP_REF:
+        r = _need(runs, name)
+        m = r.meta
+        assert m["probe"]["error"] is None and r.probe is not None, (name, m["probe"])
+        ranks = sorted(m["ranks"], key=lambda f: f["global_rank"])
+        assert [(f["global_rank"], f["tp_rank"]) for f in ranks] == [(0, 0), (1, 1)]
+        # Both ranks' capture buffers hold the probe's last route.
+        last = r.probe[-1].astype(np.int64).tolist()
+        for f in ranks:
+            assert f["capture_row0"] == last, (name, f)
+        assert ranks[0]["publishes"] and ranks[0]["store_files_in_use"], name
+        assert not ranks[1]["publishes"], name
+        assert ranks[1]["store_files_in_use"] == [], (name, ranks[1])
+        assert m["store_entries"] == [m["namespace_rank0"]], name
+
+
+def test_tp2_matches_transformers_router_ieee(runs):
+    _oracle(runs, "tp2_ieee", TIE_TOL["ieee"])
 
 
 # ------------------------------------------------------- speculative decoding
