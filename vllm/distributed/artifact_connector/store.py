@@ -170,6 +170,8 @@ class StoreStats:
     arenas_started_on_demand: int = 0  # no spare was ready: a put paid it
     log_compactions: int = 0
     stores_collected: int = 0
+    stores_recreated: int = 0  # removed behind the writer, started again
+    arenas_lost: int = 0  # arena files deleted behind the writer
 
 
 #: ``put_batch``'s fill callback: gets a writable uint8 buffer for the

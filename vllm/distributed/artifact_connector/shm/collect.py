@@ -166,6 +166,29 @@ def _writer_state(ns_fd: int) -> tuple[bool | None, float]:
     return alive, time.time() - latest
 
 
+def collect_store(
+    root_fd: int, name: str, inactive_ttl_s: float
+) -> tuple[str, list[str]]:
+    """Decide on the one store ``name`` under ``root_fd`` and remove it if
+    it is stale (see the module docs). Returns ``("removed", [])``,
+    ``("alive", [])`` (its writer runs), ``("recent", [])`` (undecidable
+    writer, active within the TTL) or ``("refused", entries left)``."""
+    try:
+        ns_fd = open_private_dir(name, dir_fd=root_fd, error=UnsafeStoreError)
+    except (UnsafeStoreError, OSError):
+        return "refused", [name]
+    try:
+        live, idle_s = _writer_state(ns_fd)
+    finally:
+        os.close(ns_fd)
+    if live:
+        return "alive", []
+    if live is None and idle_s < inactive_ttl_s:
+        return "recent", []
+    left = remove_namespace(root_fd, name)
+    return ("refused", left) if left else ("removed", [])
+
+
 def collect_stale_stores(
     root: str, inactive_ttl_s: float, *, exclude: Iterable[str] = ()
 ) -> CollectReport:
@@ -195,22 +218,15 @@ def collect_stale_stores(
             ):
                 refused.append(name)
                 continue
-            try:
-                ns_fd = open_private_dir(name, dir_fd=root_fd, error=UnsafeStoreError)
-            except (UnsafeStoreError, OSError):
-                refused.append(name)
-                continue
-            try:
-                live, idle_s = _writer_state(ns_fd)
-            finally:
-                os.close(ns_fd)
-            if live:
+            state, left = collect_store(root_fd, name, inactive_ttl_s)
+            if state == "removed":
+                removed.append(name)
+            elif state == "alive":
                 alive.append(name)
-            elif live is None and idle_s < inactive_ttl_s:
+            elif state == "recent":
                 recent.append(name)
             else:
-                left = remove_namespace(root_fd, name)
-                (refused.extend(left) if left else removed.append(name))
+                refused.extend(left)
     finally:
         os.close(root_fd)
     if removed:

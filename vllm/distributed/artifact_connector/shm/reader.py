@@ -47,18 +47,23 @@ class ShmStoreReader(ObjectStoreReader):
                 f"got {namespace!r:.80}"
             )
         self._namespace = namespace
+        self._root = root
         self._root_fd = self._ns_fd = self._log_fd = -1
+        self._ns_id = (0, 0)
         self._arenas: dict[int, Arena] = {}
         self._index = Index()
         self._log_pos = 0
         self._log_ino = 0
         self.checksum_failures = 0
         real = shm_subdir(root, error=UnsafeStoreError)
+        self._root = real
         try:
             self._root_fd = open_private_dir(real, error=UnsafeStoreError)
             self._ns_fd = open_private_dir(
                 namespace, dir_fd=self._root_fd, error=UnsafeStoreError
             )
+            st = os.fstat(self._ns_fd)
+            self._ns_id = (st.st_dev, st.st_ino)
             self._reload()
         except FileNotFoundError as e:
             self.close()
@@ -102,17 +107,63 @@ class ShmStoreReader(ObjectStoreReader):
     def _refresh(self) -> None:
         if self._ns_fd < 0:
             raise StoreClosedError(f"artifact store reader {self._namespace} is closed")
+        here: os.stat_result | None
+        st: os.stat_result | None
         try:
+            here = os.stat(
+                os.path.join(self._root, self._namespace), follow_symlinks=False
+            )
             st = os.stat(INDEX_FILE, dir_fd=self._ns_fd, follow_symlinks=False)
-        except FileNotFoundError as e:
-            raise StoreClosedError(
-                f"artifact store {self._namespace} no longer exists (its writer "
-                "closed it, or it was collected)"
-            ) from e
-        if st.st_ino != self._log_ino:
+        except OSError:  # gone, or a non-directory on the way
+            here = st = None
+        if st is None or here is None or (here.st_dev, here.st_ino) != self._ns_id:
+            # Removed (or replaced) behind the engine; the writer recreates
+            # it at the same place: follow it there.
+            self._reopen()
+        elif st.st_ino != self._log_ino:
             self._reload()
         else:
             self._read_tail()
+
+    def _reopen(self) -> None:
+        """Open the namespace again by its path (it was removed or replaced
+        behind the engine, and its writer recreated it, empty)."""
+        gone = StoreClosedError(
+            f"artifact store {self._namespace} no longer exists under "
+            f"{self._root} (its writer closed it, it was collected, or it was "
+            "removed behind the engine and not recreated yet)"
+        )
+        root_fd = ns_fd = -1
+        try:
+            root_fd = open_private_dir(
+                shm_subdir(self._root, error=UnsafeStoreError), error=UnsafeStoreError
+            )
+            ns_fd = open_private_dir(
+                self._namespace, dir_fd=root_fd, error=UnsafeStoreError
+            )
+        except OSError as e:
+            for fd in (ns_fd, root_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise gone from e
+        except BaseException:
+            for fd in (ns_fd, root_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        for fd in (self._ns_fd, self._root_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._root_fd, self._ns_fd = root_fd, ns_fd
+        st = os.fstat(ns_fd)
+        self._ns_id = (st.st_dev, st.st_ino)
+        try:
+            self._reload()
+        except FileNotFoundError as e:  # the index log is not there yet
+            self._log_ino = 0
+            self._index = Index()
+            self._unmap_all()
+            raise gone from e
 
     def _unmap_all(self) -> None:
         for arena in self._arenas.values():

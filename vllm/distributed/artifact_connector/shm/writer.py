@@ -19,7 +19,11 @@ fit is skipped.
 Slow work runs in :meth:`ShmStoreWriter.maintain`, which the owner calls
 when it is idle (the worker's publication thread between batches): it
 prepares the next arena ahead of need, compacts the log, refreshes the
-writer record and collects stale stores of other writers.
+writer record and collects stale stores of other writers. It also notices
+files removed behind the writer (an operator's ``rm``): a deleted arena is
+retired, its retained objects copied out of the writer's own mapping; a
+removed directory, index log or writer record makes it recreate the store,
+empty, at the same place, and readers follow.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from vllm.distributed.artifact_connector.shm.collect import (
     WRITER_FILE,
     WriterIdentity,
     collect_stale_stores,
+    collect_store,
     remove_namespace,
 )
 from vllm.distributed.artifact_connector.shm.index import Index
 from vllm.distributed.artifact_connector.store import (
+    ArtifactError,
     FillFn,
     ObjectRef,
     ObjectStoreWriter,
@@ -72,6 +78,10 @@ DEFAULT_CAPACITY_BYTES = 8 << 30
 DEFAULT_INACTIVE_TTL_S = 3600.0
 DEFAULT_COLLECT_INTERVAL_S = 300.0
 HEARTBEAT_INTERVAL_S = 10.0
+# How often upkeep checks that the store's files are still in place.
+STORE_CHECK_INTERVAL_S = 0.1
+# How often a store that cannot be recreated says so again in the log.
+BROKEN_LOG_INTERVAL_S = 10.0
 # Compact when the log is this many times the size of a snapshot.
 _COMPACT_RATIO = 4
 _COMPACT_MIN_BYTES = 1 << 20
@@ -151,11 +161,25 @@ class ShmStoreWriter(ObjectStoreWriter):
             "arenas_started_on_demand": 0,
             "log_compactions": 0,
             "stores_collected": 0,
+            "stores_recreated": 0,
+            "arenas_lost": 0,
         }
         self._root_fd = self._ns_fd = self._log_fd = self._writer_fd = -1
         self._last_collect = 0.0
         self._log_size = self._record_bytes = 0
+        self._root_arg = root
+        self._broken: str | None = None  # why the store could not be recreated
+        self._last_check = self._last_broken_log = 0.0
         self._collect(force=True)
+        self._create_store()
+        self._last_heartbeat = time.monotonic()
+        self._closed = False
+
+    def _create_store(self) -> None:
+        """Create this store's directory and files under the root: at start,
+        and again when they were removed behind the writer (see
+        :meth:`_check_store`). On failure nothing of it is left."""
+        root, namespace = self._root_arg, self._namespace
         for attempt in range(3):
             try:
                 self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
@@ -169,11 +193,32 @@ class ShmStoreWriter(ObjectStoreWriter):
                 os.mkdir(namespace, 0o700, dir_fd=self._root_fd)
                 break
             except FileExistsError as e:
+                # Namespaces are fresh per engine instance, so this is a
+                # store of an earlier writer of the same instance. Take its
+                # place only if that writer is proven gone (as any stale
+                # store is collected); never share a store with a live one.
+                state, _ = collect_store(self._root_fd, namespace, self._ttl)
+                if state == "removed" and attempt < 2:
+                    self._counts["stores_collected"] += 1
+                    logger.warning(
+                        "artifact store: removed a stale store of a dead "
+                        "writer with this engine's namespace %s",
+                        namespace,
+                    )
+                    os.close(self._root_fd)
+                    self._root_fd = -1
+                    continue
                 os.close(self._root_fd)
                 self._root_fd = -1
+                why = {
+                    "alive": "its writer is still running",
+                    "recent": "its writer cannot be checked and it was active "
+                    "within the inactive TTL",
+                }.get(state, "it cannot be removed")
                 raise UnsafeStoreError(
                     f"artifact namespace {namespace} already exists under "
-                    f"{self._root}; namespaces are per engine instance and fresh"
+                    f"{self._root} and {why}; namespaces are per engine "
+                    "instance and fresh"
                 ) from e
             except FileNotFoundError as e:
                 # The root was removed between opening and mkdir: again.
@@ -182,6 +227,11 @@ class ShmStoreWriter(ObjectStoreWriter):
                 if attempt == 2:
                     raise _io_error(e, f"creating artifact store {namespace}") from e
                 self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
+        else:
+            raise StoreIOError(
+                f"creating artifact store {namespace} under {root} failed: the "
+                "root kept disappearing"
+            )
         try:
             self._ns_fd = open_private_dir(
                 namespace, dir_fd=self._root_fd, error=UnsafeStoreError
@@ -202,15 +252,11 @@ class ShmStoreWriter(ObjectStoreWriter):
             )
             self._log_size = write_all(self._log_fd, [log.header_bytes()], 0)
         except OSError as e:
-            self._closed = False
-            self.close()
+            self._release_files(remove=True)
             raise _io_error(e, f"creating artifact store {namespace}") from e
         except BaseException:
-            self._closed = False
-            self.close()
+            self._release_files(remove=True)
             raise
-        self._last_heartbeat = time.monotonic()
-        self._closed = False
 
     @property
     def namespace(self) -> str:
@@ -245,6 +291,11 @@ class ShmStoreWriter(ObjectStoreWriter):
         ``stats().divergences``."""
         with self._lock:
             self._check_open()
+            if self._broken is not None:
+                raise StoreIOError(
+                    f"artifact store {self._namespace} was removed behind the "
+                    f"engine and cannot be recreated yet: {self._broken}"
+                )
             try:
                 return self._put_batch(keys, lengths, fill, owners)
             except OSError as e:  # e.g. an arena file that cannot be created
@@ -567,15 +618,131 @@ class ShmStoreWriter(ObjectStoreWriter):
         Never raises for a full store (the next put reports that)."""
         with self._lock:
             self._check_open()
-            self._compact_log_if_worthwhile()
-            if self._spare is None:
-                try:
-                    self._make_room(self._arena_bytes)
-                    self._spare = self._start_arena(self._arena_bytes)
-                except StoreCapacityError as e:
-                    logger.debug("artifact store: no spare arena: %s", e)
-            self._heartbeat()
+            self._check_store()
+            if self._broken is None:
+                self._compact_log_if_worthwhile()
+                if self._spare is None:
+                    try:
+                        self._make_room(self._arena_bytes)
+                        self._spare = self._start_arena(self._arena_bytes)
+                    except StoreCapacityError as e:
+                        logger.debug("artifact store: no spare arena: %s", e)
+                self._heartbeat()
         self._collect()
+
+    # ------------------------------------------------------------ damage
+    def _check_store(self) -> None:
+        """Notice (at most every ``STORE_CHECK_INTERVAL_S``) files removed or
+        replaced behind the writer, by an operator's ``rm`` or a clean-up of
+        ``/dev/shm``, and recover: a deleted arena is retired (its retained
+        objects copied out of the writer's own mapping first); a removed or
+        replaced directory, index log or writer record means the store is
+        recreated, empty, at the same place. Readers follow (they reopen the
+        namespace); routes it held are lost, so requests that needed them
+        fail with a typed error, and later requests are served again."""
+        now = time.monotonic()
+        if now - self._last_check < STORE_CHECK_INTERVAL_S:
+            return
+        self._last_check = now
+        if self._broken is not None or not self._files_in_place():
+            self._recreate()
+        else:
+            self._retire_lost_arenas()
+
+    def _files_in_place(self) -> bool:
+        try:
+            ns = os.fstat(self._ns_fd)
+            if any(
+                os.fstat(fd).st_nlink == 0 for fd in (self._log_fd, self._writer_fd)
+            ):
+                return False
+            root = os.fstat(self._root_fd)
+            root_now = os.stat(self._root, follow_symlinks=False)
+            ns_now = os.stat(
+                self._namespace, dir_fd=self._root_fd, follow_symlinks=False
+            )
+        except OSError:
+            return False
+        return (
+            ns.st_nlink > 0
+            and (root_now.st_dev, root_now.st_ino) == (root.st_dev, root.st_ino)
+            and (ns_now.st_dev, ns_now.st_ino) == (ns.st_dev, ns.st_ino)
+        )
+
+    def _recreate(self) -> None:
+        if self._broken is None:
+            logger.error(
+                "artifact store %s under %s was removed or replaced behind the "
+                "engine; recreating it empty (the routes it held are lost: "
+                "requests that need them fail with a typed error)",
+                self._namespace,
+                self._root,
+            )
+        self._release_files(remove=True, rmdir_root=False)
+        self._index = Index()
+        self._log_size = self._record_bytes = 0
+        try:
+            self._create_store()
+        except (ArtifactError, OSError) as e:
+            now = time.monotonic()
+            if (
+                self._broken is None
+                or now - self._last_broken_log >= BROKEN_LOG_INTERVAL_S
+            ):
+                logger.error(
+                    "artifact store %s cannot be recreated under %s: %s; "
+                    "publication fails until it can",
+                    self._namespace,
+                    self._root,
+                    e,
+                )
+                self._last_broken_log = now
+            self._broken = str(e)
+            return
+        if self._broken is not None:
+            logger.warning("artifact store %s recreated", self._namespace)
+        self._broken = None
+        self._counts["stores_recreated"] += 1
+        self._last_heartbeat = time.monotonic()
+
+    def _retire_lost_arenas(self) -> None:
+        lost = []
+        for aid in self._arenas:
+            try:
+                os.stat(arena_name(aid), dir_fd=self._ns_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                lost.append(aid)
+            except OSError:
+                continue
+        for aid in lost:
+            arena = self._arenas.get(aid)
+            if arena is None:  # evicted to make room meanwhile
+                continue
+            logger.error(
+                "artifact arena %s of store %s was deleted behind the engine; "
+                "retiring it",
+                arena_name(aid),
+                self._namespace,
+            )
+            self._counts["arenas_lost"] += 1
+            if arena is self._spare:  # empty
+                self._spare = None
+                self._unlink_arena(aid)
+                continue
+            try:
+                if arena is self._active:
+                    # Somewhere for its retained objects to go.
+                    self._active, self._spare = self._spare, None
+                    if self._active is None:
+                        self._make_room(self._arena_bytes)
+                        self._active = self._start_arena(self._arena_bytes)
+                if aid in self._arenas and not self._evict(aid):
+                    # Its retained objects do not fit: drop them too.
+                    self._append_log(log.records(log.RETIRE, bytes(32), aid))
+                    self._counts["evicted_objects"] += self._index.drop_arena(aid)
+                    self._unlink_arena(aid)
+            except (ArtifactError, OSError) as e:
+                logger.warning("artifact store: retiring a lost arena failed: %s", e)
 
     def _heartbeat(self) -> None:
         """Refresh the writer record's mtime now and then (the TTL of
@@ -619,22 +786,30 @@ class ShmStoreWriter(ObjectStoreWriter):
             if self._closed and self._root_fd < 0:
                 return
             self._closed = True
-            for arena in self._arenas.values():
-                arena.close()
-            self._arenas.clear()
-            self._active = self._spare = None
-            for fd in (self._log_fd, self._writer_fd, self._ns_fd):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-            self._log_fd = self._writer_fd = self._ns_fd = -1
-            if self._root_fd >= 0:
+            self._release_files(remove=True, rmdir_root=True)
+
+    def _release_files(self, *, remove: bool, rmdir_root: bool = True) -> None:
+        """Unmap the arenas, close every descriptor and (``remove``) delete
+        this store's files; ``rmdir_root`` also removes the root when no
+        other store is in it."""
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
+        self._active = self._spare = None
+        for fd in (self._log_fd, self._writer_fd, self._ns_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._log_fd = self._writer_fd = self._ns_fd = -1
+        if self._root_fd >= 0:
+            if remove:
                 remove_namespace(self._root_fd, self._namespace)
-                os.close(self._root_fd)
-                self._root_fd = -1
-                # Leave nothing behind on a clean shutdown: the root goes too
-                # when no other store is in it (a writer starting meanwhile
-                # recreates it).
+            os.close(self._root_fd)
+            self._root_fd = -1
+            # Leave nothing behind on a clean shutdown: the root goes too
+            # when no other store is in it (a writer starting meanwhile
+            # recreates it).
+            if remove and rmdir_root:
                 with contextlib.suppress(OSError):
                     os.rmdir(self._root)
 
