@@ -20,6 +20,8 @@ the publisher and reports acknowledgements back.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +34,10 @@ import torch
 
 from vllm.config.artifact import routed_experts_row_spec
 from vllm.distributed.artifact_connector.buffer import RowSlab
+from vllm.distributed.artifact_connector.metrics import (
+    STATS_INTERVAL_S,
+    ArtifactStatsCollector,
+)
 from vllm.distributed.artifact_connector.protocol import (
     Abort,
     ArtifactSchedulerMeta,
@@ -100,7 +106,7 @@ class _Awaiting:
     num_rows: int  # rows [0, num_rows) belong to the returned tokens
     first_row: int
     engine_finish: bool  # the request stopped in the engine (output held)
-    deadline: float
+    ended: float  # time.monotonic() when the finish or abort was queued
     output: EngineCoreOutput | None = None
 
 
@@ -139,6 +145,7 @@ class ArtifactSchedulerConnector:
         self._discards: list[Discard] = []
         self._releases: list[Release] = []
         self._weight_version: str | None = None
+        self._stats = ArtifactStatsCollector()
 
     # ------------------------------------------------------------ messages
     def build_meta(
@@ -254,7 +261,7 @@ class ArtifactSchedulerConnector:
             num_rows,
             first_row,
             engine_finish,
-            time.monotonic() + ACK_TIMEOUT_S,
+            time.monotonic(),
         )
         if not engine_finish:
             # finish_requests() emits nothing for aborts; this output carries
@@ -305,6 +312,7 @@ class ArtifactSchedulerConnector:
         if error is not None:
             output.finish_reason = FinishReason.ERROR
             output.artifact_error = error
+            self._stats.request_done(error)
             return False
         aid = self._awaiting_by_req.get(output.request_id)
         if aid is None:
@@ -337,14 +345,20 @@ class ArtifactSchedulerConnector:
         from vllm.v1.engine import EngineCoreOutput, FinishReason
         from vllm.v1.request import RequestStatus
 
+        stats = self._stats
         to_fail: dict[str, str] = {}
+        now = time.monotonic()
         if report is not None:
+            if report.stats is not None:
+                stats.worker_snapshot(report.stats)
             for ack in report.acks:
                 aid = (ack.req_id, ack.attempt)
                 entry = self._pop_awaiting(aid)
                 self._releases.append(Release(*aid))
                 if entry is None:
                     continue
+                stats.publish_s.append(now - entry.ended)
+                start = time.perf_counter()
                 try:
                     end = min(entry.num_rows, ack.num_rows)
                     rows = read_rows(
@@ -355,24 +369,27 @@ class ArtifactSchedulerConnector:
                         first_row=entry.first_row,
                     )[: end - entry.first_row]
                 except ArtifactError as e:
+                    stats.materialization_s.append(time.perf_counter() - start)
                     logger.warning("routes of request %s unreadable: %s", aid[0], e)
                     self._emit(entry, None, f"{type(e).__name__}: {e}")
                 else:
+                    stats.materialization_s.append(time.perf_counter() - start)
                     self._emit(entry, rows, None)
             for failure in report.failures:
                 aid = (failure.req_id, failure.attempt)
                 error = f"{failure.error_type}: {failure.message}"
                 entry = self._pop_awaiting(aid)
                 if entry is not None:
+                    stats.publish_s.append(now - entry.ended)
                     self._emit(entry, None, error)
                     continue
                 live = self._live.get(failure.req_id)
                 if live is not None and live.attempt == failure.attempt:
                     to_fail[failure.req_id] = error
-        now = time.monotonic()
         for aid, entry in list(self._awaiting.items()):
-            if entry.deadline < now:
+            if now - entry.ended > ACK_TIMEOUT_S:
                 self._pop_awaiting(aid)
+                stats.publish_s.append(now - entry.ended)
                 timeout = ArtifactAckTimeout(
                     f"no acknowledgement of request {aid[0]} from the publishing "
                     f"worker within {ACK_TIMEOUT_S:g} s"
@@ -384,6 +401,7 @@ class ArtifactSchedulerConnector:
         self._ready.clear()
         if to_fail:
             for request in finish_requests(list(to_fail), RequestStatus.FINISHED_ERROR):
+                stats.request_done(to_fail[request.request_id])
                 outputs[request.client_index].append(
                     EngineCoreOutput(
                         request_id=request.request_id,
@@ -421,7 +439,14 @@ class ArtifactSchedulerConnector:
                 output.finish_reason = FinishReason.ERROR
         else:
             output.routed_experts = rows
+        self._stats.request_done(error)
         self._ready.append((entry.client_index, output))
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The metrics since the last call, for ``SchedulerStats.
+        artifact_stats`` (see ``metrics.py``); None when nothing changed.
+        Called once per step."""
+        return self._stats.take()
 
     def close(self) -> None:
         self._reader.close()
@@ -478,6 +503,12 @@ class ArtifactWorkerConnector:
         # Output thread: per attempt, (rows end, scheduled end) of its last
         # step, to re-attach after rejected speculative tokens.
         self._row_end: dict[AttemptId, tuple[int, int]] = {}
+        # The store's counters for the metrics: when they are due next, the
+        # last ones sent, and whether the last meta let attempts go (the
+        # next empty step reports the store once that is done).
+        self._stats_due = 0.0
+        self._stats_sent: dict[str, int] | None = None
+        self._settle = False
 
     @classmethod
     def create(
@@ -553,6 +584,8 @@ class ArtifactWorkerConnector:
         with self._lock:
             self._ended.update(ended)
             self._awaiting.update((f.req_id, f.attempt) for f in meta.finalizes)
+        if meta.releases or meta.discards:
+            self._settle = True
         publisher.apply(meta)
         publisher.flush()
 
@@ -620,15 +653,33 @@ class ArtifactWorkerConnector:
             awaiting = list(self._awaiting)
         if awaiting:
             publisher.wait_for_results(awaiting, EMPTY_STEP_WAIT_S)
-        report = self._take_report()
+        settle, self._settle = self._settle, False
+        if settle:
+            # The engine may go idle after this step: let the releases just
+            # handed over finish, so the metrics show the store at rest.
+            with contextlib.suppress(TimeoutError):
+                publisher.wait_idle(EMPTY_STEP_WAIT_S)
+        report = self._take_report(stats_now=settle)
         if report is None:
             return output
         output = copy(output)  # the empty output is a shared singleton
         output.artifact_report = report
         return output
 
-    def _take_report(self) -> ArtifactWorkerReport | None:
-        report = self._publisher.report()  # type: ignore[union-attr]
+    def _take_report(self, stats_now: bool = False) -> ArtifactWorkerReport | None:
+        publisher = self._publisher
+        assert publisher is not None
+        report = publisher.report()
+        start = time.monotonic()
+        if stats_now or start >= self._stats_due:
+            stats = publisher.metrics()
+            # The store's stats() may cost O(objects): keep it under 2% of
+            # the time.
+            cost = time.monotonic() - start
+            self._stats_due = start + max(STATS_INTERVAL_S, 50 * cost)
+            if stats != self._stats_sent:
+                self._stats_sent = stats
+                report = dataclasses.replace(report, stats=stats)
         if report.is_empty():
             return None
         done = [(a.req_id, a.attempt) for a in report.acks]
@@ -658,7 +709,6 @@ def remove_dead_stores(vllm_config: VllmConfig, wait_s: float = 5.0) -> None:
     proven dead, waiting up to ``wait_s`` for this engine's killed workers to
     be gone, and the root when that leaves it empty. Live engines' stores are
     never touched."""
-    import contextlib
     import os
 
     from vllm.distributed.artifact_connector.shm import collect_stale_stores

@@ -16,7 +16,8 @@ acknowledgement).
 
 Worker -> scheduler (:class:`ArtifactWorkerReport`): commit progress,
 finalize acknowledgements with the ordered references of every object that
-covers the request, and failures.
+covers the request, failures, and now and then the store's counters (for
+the metrics, see ``metrics.py``).
 """
 
 from __future__ import annotations
@@ -195,11 +196,14 @@ class ArtifactSchedulerMeta:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactWorkerReport:
-    """Everything the publishing worker reports back in one step."""
+    """Everything the publishing worker reports back in one step.
+    ``stats``, at most once a second: the store's counters
+    (``ArtifactPublisher.metrics``)."""
 
     progress: tuple[CommitProgress, ...] = ()
     acks: tuple[FinalizeAck, ...] = ()
     failures: tuple[AttemptFailed, ...] = ()
+    stats: dict[str, int] | None = None
 
     def is_empty(self) -> bool:
-        return not (self.progress or self.acks or self.failures)
+        return not (self.progress or self.acks or self.failures or self.stats)

@@ -184,6 +184,10 @@ class ArtifactPublisher:
             queue.SimpleQueue()
         )
         self._free_slots = threading.BoundedSemaphore(max_queued_steps)
+        # Work items handed over (engine thread) and done (publication
+        # thread), and the most a step found still undone since the last
+        # metrics() (each counter has one writer; reads need no lock).
+        self._items_put = self._items_done = self._queue_peak = 0
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(
@@ -319,11 +323,16 @@ class ArtifactPublisher:
                 self._fail_here(aid, e)
         if work:
             self._work = _Work()
+            # How far behind the thread is (the metrics' queue depth).
+            depth = self._items_put - self._items_done
+            if depth > self._queue_peak:
+                self._queue_peak = depth
             # Back-pressure when the thread is behind, but never wait on a
             # dead thread.
             while not self._free_slots.acquire(timeout=1.0):
                 self._check_thread()
             self._queue.put(work)
+            self._items_put += 1
 
     def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> bool:
         """Move what ``aid`` made publishable into ``work``; returns whether
@@ -438,6 +447,25 @@ class ArtifactPublisher:
         out["slab_pages_used"] = self.slab.num_pages - self.slab.num_free()
         return out
 
+    @_engine_side
+    def metrics(self) -> dict[str, int]:
+        """The store's counters for the Prometheus metrics (``metrics.py``)
+        and ``queue_depth``: the most work items a step found still undone
+        when it handed over its own, since the last call (at
+        ``max_queued_steps`` that step waited)."""
+        s = self._writer.stats()
+        peak, self._queue_peak = self._queue_peak, 0
+        return {
+            "objects": s.objects,
+            "used_bytes": s.used_bytes,
+            "capacity_bytes": s.capacity_bytes,
+            "retained_keys": s.retained_keys,
+            "queue_depth": peak,
+            "puts_written": s.puts_written,
+            "divergences": s.divergences,
+            "evicted_objects": s.evicted_objects,
+        }
+
     def wait_idle(self, timeout_s: float | None = None) -> None:
         """Block until every work item handed over so far is done (tests,
         shutdown)."""
@@ -483,6 +511,7 @@ class ArtifactPublisher:
                 try:
                     self._process(item)
                 finally:
+                    self._items_done += 1
                     self._free_slots.release()
                 if q.empty():  # between steps: prepare the next arena etc.
                     self._upkeep()

@@ -1,0 +1,297 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Prometheus metrics of routed experts (R3).
+
+Three stages, like the KV connector's statistics:
+
+* the publishing worker puts a snapshot of its store's counters on its
+  :class:`~.protocol.ArtifactWorkerReport` (:meth:`ArtifactPublisher.metrics
+  <.publisher.ArtifactPublisher.metrics>`, at most once per
+  :data:`STATS_INTERVAL_S`, and on the empty step that ends a burst of work);
+* the scheduler's :class:`ArtifactStatsCollector` adds its own counts (requests
+  with and without routes, failures by error type, read and publication
+  times) and turns the worker's cumulative counters into increments; the
+  scheduler hands :meth:`ArtifactStatsCollector.take` to the frontend as
+  ``SchedulerStats.artifact_stats`` (a plain dict, like
+  ``kv_connector_stats``);
+* :class:`ArtifactProm`, built by vLLM's ``PrometheusStatLogger``, records
+  them under the usual ``model_name`` and ``engine`` labels.
+
+Counts are exact: every increment the scheduler makes travels once, in the
+``SchedulerStats`` of the step that made it. With R3 off nothing is
+registered. This module imports only the standard library and
+``prometheus_client`` (the frontend loads it).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# The publishing worker sends its store counters at most this often (and
+# once more on the empty step after the last request, see the connector).
+STATS_INTERVAL_S = 1.0
+
+# The worker's snapshot (``ArtifactPublisher.metrics``): values shown as is,
+# and cumulative counters the scheduler turns into increments.
+STORE_GAUGES = (
+    "objects",
+    "used_bytes",
+    "capacity_bytes",
+    "retained_keys",
+    "queue_depth",
+)
+STORE_COUNTERS = ("puts_written", "divergences", "evicted_objects")
+
+# Failure causes shown at zero from the start (others appear when they occur).
+KNOWN_ERRORS = (
+    "ObjectMissingError",
+    "ChecksumMismatchError",
+    "WeightVersionMismatchError",
+    "StoreCapacityError",
+    "ArtifactAckTimeout",
+    "CoverageError",
+)
+
+# Reading a request's rows: one verified object per block of tokens.
+MATERIALIZATION_BUCKETS = (
+    0.0001,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+# A finish's acknowledgement: one step or two, up to the 60 s timeout.
+PUBLISH_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    60.0,
+)
+
+
+def error_type(error: str) -> str:
+    """The type name of an ``"<ErrorType>: <message>"`` string."""
+    return error.split(":", 1)[0].strip() or "ArtifactError"
+
+
+class ArtifactStatsCollector:
+    """Scheduler side: counts since the last :meth:`take` (see the module
+    docs). Not thread-safe; the engine thread owns it."""
+
+    def __init__(self) -> None:
+        self.requests_routed = 0
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.materialization_s: list[float] = []
+        self.publish_s: list[float] = []
+        self._store: dict[str, int] | None = None  # a snapshot not taken yet
+        self._store_totals: dict[str, int] = {}  # the worker's last totals
+        self._store_increments: collections.Counter[str] = collections.Counter()
+
+    def request_done(self, error: str | None) -> None:
+        """A request's final output went out with routes (``error`` None)
+        or without them because of ``error``."""
+        if error is None:
+            self.requests_routed += 1
+        else:
+            self.failures[error_type(error)] += 1
+
+    def worker_snapshot(self, snapshot: dict[str, int]) -> None:
+        """The publishing worker's latest store counters."""
+        self._store = {k: snapshot[k] for k in STORE_GAUGES if k in snapshot}
+        for k in STORE_COUNTERS:
+            # Totals only grow; one taken earlier may arrive later (the
+            # worker reports from two threads): never count anything twice.
+            last = self._store_totals.get(k, 0)
+            total = snapshot.get(k, last)
+            if total > last:
+                self._store_increments[k] += total - last
+                self._store_totals[k] = total
+
+    def take(self) -> dict[str, Any] | None:
+        """What changed since the last call (None if nothing), as a plain
+        dict for ``SchedulerStats.artifact_stats``."""
+        if not (
+            self.requests_routed
+            or self.failures
+            or self.materialization_s
+            or self.publish_s
+            or self._store is not None
+        ):
+            return None
+        out: dict[str, Any] = {
+            "requests_routed": self.requests_routed,
+            "failures": dict(self.failures),
+            "materialization_s": self.materialization_s,
+            "publish_s": self.publish_s,
+        }
+        if self._store is not None:
+            out["store"] = self._store
+            out["store_increments"] = dict(self._store_increments)
+        self.requests_routed = 0
+        self.failures = collections.Counter()
+        self.materialization_s = []
+        self.publish_s = []
+        self._store = None
+        self._store_increments = collections.Counter()
+        return out
+
+
+class ArtifactProm:
+    """The R3 metrics on vLLM's Prometheus ``/metrics``; built by
+    ``PrometheusStatLogger`` with its metric classes and labels. Registers
+    nothing when routed experts are off."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        gauge_cls: Any,
+        counter_cls: Any,
+        histogram_cls: Any,
+    ) -> None:
+        self.enabled = vllm_config.artifact_config.enable_routed_experts
+        if not self.enabled:
+            return
+        self._labelvalues = per_engine_labelvalues
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return {
+                idx: metric.labels(*values)
+                for idx, values in per_engine_labelvalues.items()
+            }
+
+        def gauge(name: str, doc: str) -> dict[int, Any]:
+            return per_engine(
+                gauge_cls(
+                    name=name,
+                    documentation=doc,
+                    multiprocess_mode="mostrecent",
+                    labelnames=labelnames,
+                )
+            )
+
+        def counter(name: str, doc: str) -> dict[int, Any]:
+            return per_engine(
+                counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            )
+
+        def histogram(name: str, doc: str, buckets: tuple) -> dict[int, Any]:
+            return per_engine(
+                histogram_cls(
+                    name=name,
+                    documentation=doc,
+                    buckets=list(buckets),
+                    labelnames=labelnames,
+                )
+            )
+
+        p = "vllm:routed_experts_"
+        self.requests_routed = counter(
+            p + "requests_routed",
+            "Requests whose final output carried routed experts (each choice "
+            "of n > 1 counts; aborted requests that had returned tokens too).",
+        )
+        self.failures = counter_cls(
+            name=p + "request_failures",
+            documentation="Requests that ended without routed experts because "
+            "of an error, by error type.",
+            labelnames=[*labelnames, "error_type"],
+        )
+        for values in per_engine_labelvalues.values():
+            for name in KNOWN_ERRORS:
+                self.failures.labels(*values, name)
+        self.materialization = histogram(
+            p + "materialization_seconds",
+            "Time the scheduler took to read and verify a finished request's "
+            "routes from the store (failed reads included).",
+            MATERIALIZATION_BUCKETS,
+        )
+        self.publish = histogram(
+            p + "publish_seconds",
+            "Time from a request's end in the scheduler to the publishing "
+            "worker's acknowledgement (or failure, or timeout) of its routes.",
+            PUBLISH_BUCKETS,
+        )
+        self.store_gauges = {
+            "objects": gauge(
+                p + "store_objects", "Objects (versions) in the routes store."
+            ),
+            "used_bytes": gauge(
+                p + "store_used_bytes",
+                "Bytes the routes store occupies in /dev/shm (arenas, the "
+                "spare one included, and the index log).",
+            ),
+            "capacity_bytes": gauge(
+                p + "store_capacity_bytes", "The routes store's capacity_bytes."
+            ),
+            "retained_keys": gauge(
+                p + "store_retained_objects",
+                "Keys of the routes store that running or finishing requests "
+                "hold (never evicted).",
+            ),
+            "queue_depth": gauge(
+                p + "publish_queue_depth",
+                "Most steps waiting for the publication thread since the last "
+                "update (at its limit, 4, the engine waits).",
+            ),
+        }
+        self.store_counters = {
+            "puts_written": counter(
+                p + "store_published_objects",
+                "Objects written to the routes store.",
+            ),
+            "divergences": counter(
+                p + "store_divergences",
+                "Puts of different bytes under an existing key (stored as a "
+                "new version).",
+            ),
+            "evicted_objects": counter(
+                p + "store_evicted_objects",
+                "Objects evicted from the routes store to make room.",
+            ),
+        }
+
+    def observe(self, data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one ``SchedulerStats.artifact_stats``."""
+        if not self.enabled:
+            return
+        if data["requests_routed"]:
+            self.requests_routed[engine_idx].inc(data["requests_routed"])
+        values = self._labelvalues[engine_idx]
+        for name, n in data["failures"].items():
+            self.failures.labels(*values, name).inc(n)
+        hist = self.materialization[engine_idx]
+        for seconds in data["materialization_s"]:
+            hist.observe(seconds)
+        hist = self.publish[engine_idx]
+        for seconds in data["publish_s"]:
+            hist.observe(seconds)
+        for name, value in data.get("store", {}).items():
+            if name in self.store_gauges:
+                self.store_gauges[name][engine_idx].set(value)
+        for name, n in data.get("store_increments", {}).items():
+            if n and name in self.store_counters:
+                self.store_counters[name][engine_idx].inc(n)
