@@ -13,9 +13,11 @@ leading rows must equal turn 1's whole array); and requests the client hangs
 up on mid-stream (the server aborts them).
 
 ``make test`` runs ``R3_LOAD_REQUESTS`` (default 100) requests; ``make soak``
-runs 500. The figures (requests, aborts, preemptions, divergences, errors
-by cause, wall time) are printed and written to
-``.cache/logs/r3-load-summary.json``.
+runs 500. Afterwards ``/metrics`` must agree with what the clients saw
+(routed requests, no failures) and show nothing retained in the store; the
+fixture checks that the store is gone after shutdown. The figures
+(requests, aborts, preemptions, divergences, errors by cause, wall time) are
+printed and written to ``.cache/logs/r3-load-summary.json``.
 """
 
 from __future__ import annotations
@@ -369,6 +371,25 @@ def _metric(server, name: str) -> float:
     return sum(float(v) for v in pattern.findall(text))
 
 
+# Counters read before and after the load; the test reports their growth.
+COUNTERS = (
+    "vllm:num_preemptions_total",
+    "vllm:routed_experts_requests_routed_total",
+    "vllm:routed_experts_request_failures_total",
+    "vllm:routed_experts_store_divergences_total",
+    "vllm:routed_experts_store_evicted_objects_total",
+)
+
+
+def _wait_for_metric(server, name: str, value: float, timeout_s: float = 30) -> float:
+    """Poll until ``name`` reads ``value`` (the worker's store gauges are
+    refreshed at most once a second); returns the last reading."""
+    deadline = time.monotonic() + timeout_s
+    while (got := _metric(server, name)) != value and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
+
+
 def _error_cause(error: str) -> str:
     m = re.search(r"routed experts unavailable: (\w+)", error)
     return m.group(1) if m else error.split(":", 1)[0]
@@ -380,7 +401,7 @@ def test_concurrent_mixed_load_is_exact(server, tiny_moe):
     names, weights = zip(*KINDS.items())
     p = np.array(weights, dtype=float) / sum(weights)
     kinds = [str(k) for k in rng.choice(names, size=NUM_REQUESTS, p=p)]
-    preempted_before = _metric(server, "vllm:num_preemptions_total")
+    before = {name: _metric(server, name) for name in COUNTERS}
 
     outcomes, wall_s = asyncio.run(_drive(server, kinds, rng))
 
@@ -405,14 +426,23 @@ def test_concurrent_mixed_load_is_exact(server, tiny_moe):
         if o.error is not None:
             cause = _error_cause(o.error)
             errors[cause] = errors.get(cause, 0) + 1
+    grew = {n: _metric(server, n) - before[n] for n in COUNTERS}
+    hung_up = sum(o.hung_up for o in outcomes)
     summary = {
         "requests": len(outcomes),
         "by_kind": {k: kinds.count(k) for k in KINDS},
         "sequences_checked": checked,
         "stopped_by_stop_string": stops,
-        "hung_up": sum(o.hung_up for o in outcomes),
-        "preemptions": _metric(server, "vllm:num_preemptions_total") - preempted_before,
+        "hung_up": hung_up,
+        "preemptions": grew["vllm:num_preemptions_total"],
         "errors_by_cause": errors,
+        "metrics_routed": grew["vllm:routed_experts_requests_routed_total"],
+        "metrics_failures": grew["vllm:routed_experts_request_failures_total"],
+        "divergences": grew["vllm:routed_experts_store_divergences_total"],
+        "evictions": grew["vllm:routed_experts_store_evicted_objects_total"],
+        "retained_after": _wait_for_metric(
+            server, "vllm:routed_experts_store_retained_objects", 0
+        ),
         "wall_s": round(wall_s, 1),
         "oracle_s": round(oracle_s, 1),
     }
@@ -423,8 +453,15 @@ def test_concurrent_mixed_load_is_exact(server, tiny_moe):
 
     assert errors == {}, [o.error for o in outcomes if o.error][:5]
     assert summary["preemptions"] > 0, "the KV cache was large enough"
-    assert summary["hung_up"] == kinds.count("hang_up")
-    assert checked >= NUM_REQUESTS - kinds.count("hang_up")
+    assert hung_up == kinds.count("hang_up")
+    assert checked >= NUM_REQUESTS - hung_up
+    # /metrics agrees with what the clients saw: every returned sequence
+    # had routes, and so did every request hung up on after its first chunk
+    # (an abort after tokens is a finish at the executed boundary).
+    assert summary["metrics_routed"] == checked + hung_up, summary
+    assert summary["metrics_failures"] == 0, summary
+    # Once idle, no request holds anything in the store.
+    assert summary["retained_after"] == 0, summary
     # The server is still exact afterwards.
     with urllib.request.urlopen(server.base_url + "/health", timeout=30) as r:
         assert r.status == 200
