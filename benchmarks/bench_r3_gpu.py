@@ -28,6 +28,11 @@ all its processes.
   prefill) / the time after it;
 * ``mean_latency_s``: mean over requests of (finish - submit).
 
+``BENCH_TIME_CONNECTOR=1`` (TP=1 only: the scheduler and the worker then
+share the benchmark's process) times the connector's methods on the engine's
+threads with ``time.perf_counter`` and reports, per timed round, their total
+against the round's wall time (``connector_s``).
+
 ``BENCH_TP=2`` runs every setting at tensor parallelism 2 (two GPUs, the
 EngineCore in its own process, no custom all-reduce kernel).
 
@@ -100,6 +105,38 @@ def _prompts(offset: int) -> list[dict]:
     ]
 
 
+_TIMED: dict[str, list[float]] = {}  # method -> [seconds, calls]
+
+
+def _time_connector() -> None:
+    """Accumulate the wall time of the connector's per-step methods."""
+    from vllm.distributed.artifact_connector import connector as mod
+
+    methods = {
+        mod.ArtifactSchedulerConnector: (
+            "build_meta", "update_from_output", "on_finish", "hold", "has_pending",
+        ),
+        mod.ArtifactWorkerConnector: (
+            "begin_step", "prepare_step", "process", "no_forward",
+        ),
+        mod.PendingArtifactStep: ("enqueue_cpu_copy",),
+    }  # fmt: skip
+    for cls, names in methods.items():
+        for name in names:
+            orig = getattr(cls, name)
+            acc = _TIMED.setdefault(f"{cls.__name__}.{name}", [0.0, 0])
+
+            def timed(*args, _orig=orig, _acc=acc, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return _orig(*args, **kwargs)
+                finally:
+                    _acc[0] += time.perf_counter() - t
+                    _acc[1] += 1
+
+            setattr(cls, name, timed)
+
+
 def _timed_round(engine, offset: int) -> dict:
     """SEQS new prompts submitted at once, stepped to the end; each request's
     finish time is taken when its final output comes back."""
@@ -117,6 +154,8 @@ def _timed_round(engine, offset: int) -> dict:
     )
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    for acc in _TIMED.values():
+        acc[:] = [0.0, 0]
     t0 = time.perf_counter()
     submit, ids = {}, {}
     for i, p in enumerate(_prompts(offset)):
@@ -163,6 +202,12 @@ def _timed_round(engine, offset: int) -> dict:
             getattr(o.outputs[0], "routed_experts", None) is None for o in outs.values()
         ),
         routed_experts_errors=errors,
+        connector_s={k: [round(v[0], 4), v[1]] for k, v in _TIMED.items()} or None,
+        connector_share=(
+            round(sum(v[0] for v in _TIMED.values()) / (t_end - t0), 4)
+            if _TIMED
+            else None
+        ),
     )
 
 
@@ -201,6 +246,10 @@ def worker(setting: str) -> dict:
         shm_root = f"/dev/shm/bench-r3-{os.getpid()}"
         kw["artifact_config"] = {"shm_root": shm_root}
     row: dict = {"setting": setting, "tree": tree}
+    if os.environ.get("BENCH_TIME_CONNECTOR") == "1" and tree == "fork" and switch:
+        if TP > 1:
+            raise ValueError("BENCH_TIME_CONNECTOR needs BENCH_TP=1 (one process)")
+        _time_connector()
     t = time.time()
     llm = LLM(**kw)
     row["init_s"] = round(time.time() - t, 1)
