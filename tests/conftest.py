@@ -60,7 +60,9 @@ class SessionFiles:
 
     def __init__(self, interval: float = 0.5):
         self.pids: set[int] = {os.getpid()}
-        self.touched: dict[str, set[str]] = {root: set() for root in GUARDED}
+        # root -> entry -> who used it first (process and running test), for
+        # the failure message
+        self.touched: dict[str, dict[str, str]] = {root: {} for root in GUARDED}
         self._interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -83,12 +85,16 @@ class SessionFiles:
     def sample(self) -> None:
         tree = _descendants(os.getpid())
         self.pids |= tree
+        test = os.environ.get("PYTEST_CURRENT_TEST", "no test").split(" ")[0]
         for pid in tree:
             for path in _paths_used_by(pid):
                 for root in GUARDED:
                     if path.startswith(root + "/"):
                         top = path[len(root) + 1 :].split("/", 1)[0]
-                        self.touched[root].add(top.removesuffix(" (deleted)"))
+                        top = top.removesuffix(" (deleted)")
+                        if top not in self.touched[root]:
+                            who = f"pid {pid} ({_comm(pid)}) during {test}"
+                            self.touched[root][top] = who
 
     def ours(self, root: str, names: set[str]) -> list[str]:
         found = []
@@ -99,6 +105,18 @@ class SessionFiles:
             if name in self.touched[root] or numbers & self.pids:
                 found.append(name)
         return found
+
+    def who(self, root: str, name: str) -> str:
+        """Which process used the entry first, and during which test."""
+        return self.touched[root].get(name, "named with a pid of this session")
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "gone"
 
 
 def _descendants(root: int) -> set[int]:
@@ -167,7 +185,11 @@ def no_leftovers():
     while (leaked := leftovers()) and time.monotonic() < deadline:
         time.sleep(0.5)
     if leaked:
-        pytest.fail(f"tests left files behind: {leaked}", pytrace=False)
+        described = {
+            root: [f"{name} ({session.who(root, name)})" for name in names]
+            for root, names in leaked.items()
+        }
+        pytest.fail(f"tests left files behind: {described}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -116,6 +116,9 @@ def test_leak_guard_counts_only_what_this_session_used():
         session.sample()
         assert child.pid in session.pids
         assert session.ours("/dev/shm", {held, other, tagged}) == sorted([held, tagged])
+        # a leak names the process that held it and the test then running
+        assert session.who("/dev/shm", held).startswith(f"pid {child.pid} (")
+        assert "test_harness.py" in session.who("/dev/shm", held)
     finally:
         child.kill()
         child.wait()
