@@ -6,8 +6,11 @@ the row-by-row comparison with transformers' router."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 import numpy as np
@@ -123,3 +126,79 @@ def assert_nothing_retained(llm, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"retained after the requests finished: {s}")
         time.sleep(0.1)
+
+
+# ----------------------------------------------------------------- HTTP
+def serve_flags(root: str, **artifact) -> list[str]:
+    """``vllm serve`` flags of the R3 HTTP tests: the tiny MoE in float32,
+    token-in/token-out, the store under ``root`` (plus ``artifact``'s
+    settings), and a draining shutdown (every process removes its own
+    files instead of being killed at once)."""
+    return [
+        "--served-model-name", "tiny", "--enable-routed-experts",
+        "--enable-scale-out", "--dtype", "float32",
+        "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
+        "--max-num-seqs", "8", "--enforce-eager", "--enable-prompt-tokens-details",
+        "--artifact-config", json.dumps({"shm_root": root, **artifact}),
+        "--shutdown-timeout", "30",
+    ]  # fmt: skip
+
+
+def http_post(
+    base_url: str, path: str, body: dict | None = None, timeout: float = 120
+) -> tuple[int, dict]:
+    """POST JSON; returns (status, parsed body), for errors too."""
+    req = urllib.request.Request(
+        base_url + path,
+        data=json.dumps(body or {}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def assert_completion_exact(model, body: dict, first_row: int = 0) -> np.ndarray:
+    """A ``/v1/completions`` JSON answer (sent with ``return_token_ids``)
+    carries routes equal to transformers' router; returns them."""
+    from vllm.utils.routed_experts_codec import decode_routed_experts
+
+    (choice,) = body["choices"]
+    assert choice.get("routed_experts") is not None, choice
+    got = decode_routed_experts(choice["routed_experts"])
+    want = expected_r3(model, choice["prompt_token_ids"], choice["token_ids"])
+    np.testing.assert_array_equal(got, want[first_row:])
+    return got
+
+
+# ----------------------------------------------------------------- the store
+def store_objects(root: str) -> list[tuple[str, tuple[int, int]]]:
+    """The live objects (every version) of the one store under ``root``:
+    ``(key, (arena id, offset))``, read through a reader of our own."""
+    from vllm.distributed.artifact_connector.shm import ShmStoreReader
+
+    (ns,) = os.listdir(root)
+    reader = ShmStoreReader(root, ns)
+    try:
+        idx = reader._index
+        slots = idx.live_slots()
+        places = zip(idx.arena[slots].tolist(), idx.off[slots].tolist())
+        return list(zip(idx.keys_of(slots), places))
+    finally:
+        reader.close()
+
+
+def corrupt_objects(root: str, places) -> None:
+    """Flip the first byte of each object behind the store's back."""
+    (ns,) = os.listdir(root)
+    for aid, off in places:
+        fd = os.open(
+            os.path.join(root, ns, f"{aid:016x}.arena"), os.O_RDWR | os.O_NOFOLLOW
+        )
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
+        finally:
+            os.close(fd)
