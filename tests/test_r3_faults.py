@@ -546,11 +546,11 @@ def test_engine_sigkilled_mid_run_and_restarted_on_the_same_root(tiny_moe):
     # the server started that no live process uses (engine tests run one at
     # a time, under a lock, so no other engine started meanwhile).
     in_use = _shm_in_use()
-    others_left = sorted(
-        n
-        for n in set(os.listdir("/dev/shm")) - shm_before - in_use
+    others_left = {
+        n: os.path.getsize(f"/dev/shm/{n}")
+        for n in sorted(set(os.listdir("/dev/shm")) - shm_before - in_use)
         if n.startswith(("psm_", "sem.mp-"))
-    )
+    }
     assert store_left, "the killed engine's store should still be there"
     try:
         # A new engine on the same root: the dead engine's store (its writer
