@@ -27,10 +27,12 @@ from utils.r3 import (
     SHARED_PREFIX,
     assert_exact,
     assert_nothing_retained,
+    corrupt_objects,
     engine_kwargs,
     greedy,
     pickled_rpc,
     shm_root,
+    store_objects,
     worker_stats,
 )
 from utils.tp import rank_facts
@@ -212,29 +214,14 @@ def test_weight_version_change_with_and_without_prefix_cache_reset(llm, tiny_moe
 
 
 def test_corrupted_object_fails_only_its_request(llm, tiny_moe):
-    from vllm.distributed.artifact_connector.shm import ShmStoreReader
-
     llm.reset_prefix_cache()
     victim = SHARED_PREFIX + "These routes get corrupted behind the engine."
     (a,) = llm.generate([victim], greedy(), use_tqdm=False)
     assert_exact(tiny_moe, a.prompt_token_ids, a.outputs[0])
-    cfg = llm.llm_engine.vllm_config.artifact_config
-    ns = cfg.namespace(0)
-    reader = ShmStoreReader(cfg.shm_root, ns)
-    try:
-        idx = reader._index
-        slots = idx.live_slots()
-        assert len(slots) > 0
-        for aid, off in zip(idx.arena[slots].tolist(), idx.off[slots].tolist()):
-            path = os.path.join(cfg.shm_root, ns, f"{aid:016x}.arena")
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            try:
-                byte = os.pread(fd, 1, off)
-                os.pwrite(fd, bytes([byte[0] ^ 0xFF]), off)
-            finally:
-                os.close(fd)
-    finally:
-        reader.close()
+    root = llm.llm_engine.vllm_config.artifact_config.shm_root
+    places = [place for _, place in store_objects(root)]
+    assert places
+    corrupt_objects(root, places)
     (b,) = llm.generate([victim], greedy(), use_tqdm=False)  # prefix hit
     cb = b.outputs[0]
     assert (b.num_cached_tokens or 0) >= BLOCK_SIZE

@@ -45,6 +45,7 @@ from utils.r3 import (
     assert_completion_exact,
     corrupt_objects,
     http_post,
+    r3_server,
     serve_flags,
     store_objects,
 )
@@ -199,26 +200,13 @@ def tmpfs_dir():
 
 @pytest.fixture(scope="module")
 def server(tmpfs_dir, tiny_moe):
-    from server import VllmServer
-
     root = os.path.join(tmpfs_dir, "store")
     # 1 MiB of capacity: 64 KiB arenas, so the filler below leaves the
     # store no room to grow, while capacity alone never evicts here.
     flags = serve_flags(root, capacity_bytes=1 << 20)
-    old = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
-    try:
-        with VllmServer(tiny_moe, flags, log_name="test-r3-faults.log") as srv:
-            srv.shm_root = root
-            yield srv
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = old
-    left = _tree(tmpfs_dir)
-    _record("shared server shutdown", left_on_tmpfs=left)
-    assert not os.path.exists(root), f"the store outlived a clean shutdown: {left}"
+    with r3_server(tiny_moe, flags, root, "test-r3-faults.log") as srv:
+        yield srv
+    _record("shared server shutdown", left_on_tmpfs=_tree(tmpfs_dir))
 
 
 def _fill(path: str) -> int:

@@ -8,48 +8,33 @@ Every returned route is checked against transformers' router in float32."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 from utils.oracle import expected_r3
-from utils.r3 import BLOCK_SIZE, PROMPTS, SHARED_PREFIX, shm_root
+from utils.r3 import (
+    BLOCK_SIZE,
+    PROMPTS,
+    SHARED_PREFIX,
+    corrupt_objects,
+    http_post,
+    r3_server,
+    serve_flags,
+    shm_root,
+    store_objects,
+)
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def server(tiny_moe):
-    from server import VllmServer
-
     root = shm_root()
-    flags = [
-        "--served-model-name", "tiny", "--enable-routed-experts",
-        "--enable-scale-out", "--dtype", "float32",
-        "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
-        "--max-num-seqs", "8", "--enforce-eager", "--enable-prompt-tokens-details",
-        "--artifact-config", json.dumps({"shm_root": root}),
-        # Drain on SIGINT instead of killing the engine at once, so every
-        # process removes its own files (a killed one leaves its shared
-        # memory to the resource tracker, which may be late for the guard).
-        "--shutdown-timeout", "30",
-    ]  # fmt: skip
-    old = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /pause and /resume
-    try:
-        with VllmServer(tiny_moe, flags, log_name="test-r3-http.log") as srv:
-            srv.shm_root = root
-            yield srv
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = old
-    assert not os.path.exists(root), "the store outlived a clean shutdown"
+    with r3_server(tiny_moe, serve_flags(root), root, "test-r3-http.log") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +45,7 @@ def client(server):
 
 
 def _post(server, path: str, body: dict | None = None, timeout: float = 120):
-    req = urllib.request.Request(
-        server.base_url + path,
-        data=json.dumps(body or {}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return http_post(server.base_url, path, body, timeout)
 
 
 def _routes(choice_extra: dict) -> np.ndarray:
@@ -166,35 +141,6 @@ class _StreamedChoices:
             ids = prompt_ids if prompt_ids is not None else self.prompt_ids[i]
             want = expected_r3(tiny_moe, ids, self.token_ids[i])
             np.testing.assert_array_equal(self.routes[i], want[first_row:])
-
-
-def _objects(server) -> list[tuple[str, tuple[int, int]]]:
-    """The store's live objects (every version): (key, (arena id, offset))."""
-    from vllm.distributed.artifact_connector.shm import ShmStoreReader
-
-    (ns,) = os.listdir(server.shm_root)
-    reader = ShmStoreReader(server.shm_root, ns)
-    try:
-        idx = reader._index
-        slots = idx.live_slots()
-        places = zip(idx.arena[slots].tolist(), idx.off[slots].tolist())
-        return list(zip(idx.keys_of(slots), places))
-    finally:
-        reader.close()
-
-
-def _corrupt(server, places) -> None:
-    """Flip the first byte of each object behind the server's back."""
-    (ns,) = os.listdir(server.shm_root)
-    for aid, off in places:
-        fd = os.open(
-            os.path.join(server.shm_root, ns, f"{aid:016x}.arena"),
-            os.O_RDWR | os.O_NOFOLLOW,
-        )
-        try:
-            os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
-        finally:
-            os.close(fd)
 
 
 def test_completion_and_chat_match_transformers_router(client, tiny_moe):
@@ -386,7 +332,9 @@ def test_token_in_token_out_stream_with_prompt_start(server, client, tiny_moe):
 def test_corrupted_object_is_a_5xx_for_that_request_only(server, client, tiny_moe):
     victim = SHARED_PREFIX + "These routes get corrupted behind the server."
     _assert_choice_exact(tiny_moe, _completion(client, victim))
-    _corrupt(server, [place for _, place in _objects(server)])
+    corrupt_objects(
+        server.shm_root, [place for _, place in store_objects(server.shm_root)]
+    )
     status, body = _post(
         server,
         "/v1/completions",
@@ -410,14 +358,14 @@ def test_stream_with_corrupted_routes_ends_in_the_error_event(server, client, ti
         "the fog comes in from the west, the keeper rings a bell every minute "
         "and listens for the horns of the fishing boats that head for home. "
     )
-    before = {key for key, _ in _objects(server)}
+    before = {key for key, _ in store_objects(server.shm_root)}
     prompt_ids = _completion(client, text).choices[0].model_extra["prompt_token_ids"]
     messages = [{"role": "user", "content": "Tell me again: " + text}]
     chat = {"model": "tiny", "messages": messages, "max_tokens": 6}
     assert _post(server, "/v1/chat/completions", chat)[0] == 200
-    new = [place for key, place in _objects(server) if key not in before]
+    new = [place for key, place in store_objects(server.shm_root) if key not in before]
     assert len(new) >= 2, new
-    _corrupt(server, new)
+    corrupt_objects(server.shm_root, new)
 
     greedy = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     streams = {

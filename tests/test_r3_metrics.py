@@ -10,16 +10,22 @@ idle."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 from utils.oracle import expected_r3
-from utils.r3 import BLOCK_SIZE, PROMPTS, SHARED_PREFIX, shm_root
+from utils.r3 import (
+    PROMPTS,
+    SHARED_PREFIX,
+    corrupt_objects,
+    http_post,
+    r3_server,
+    serve_flags,
+    shm_root,
+    store_objects,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -30,43 +36,14 @@ ENGINE = {"model_name": "tiny", "engine": "0"}
 
 @pytest.fixture(scope="module")
 def server(tiny_moe):
-    from server import VllmServer
-
     root = shm_root()
-    flags = [
-        "--served-model-name", "tiny", "--enable-routed-experts",
-        "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager",
-        "--artifact-config",
-        json.dumps({"shm_root": root, "capacity_bytes": CAPACITY}),
-        "--shutdown-timeout", "30",
-    ]  # fmt: skip
-    old = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
-    try:
-        with VllmServer(tiny_moe, flags, log_name="test-r3-metrics.log") as srv:
-            srv.shm_root = root
-            yield srv
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = old
-    assert not os.path.exists(root), "the store outlived a clean shutdown"
+    flags = serve_flags(root, capacity_bytes=CAPACITY)
+    with r3_server(tiny_moe, flags, root, "test-r3-metrics.log") as srv:
+        yield srv
 
 
 def _post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        server.base_url + path,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return http_post(server.base_url, path, body)
 
 
 def _scrape(server) -> dict[tuple[str, frozenset], float]:
@@ -86,33 +63,6 @@ def _value(samples, name: str, **labels) -> float:
     key = (name, frozenset({**ENGINE, **labels}.items()))
     assert key in samples, f"{name} {labels} not on /metrics"
     return samples[key]
-
-
-def _store_objects(root: str) -> list[tuple[int, int]]:
-    """Where the store's live objects are: (arena id, offset)."""
-    from vllm.distributed.artifact_connector.shm import ShmStoreReader
-
-    (ns,) = os.listdir(root)
-    reader = ShmStoreReader(root, ns)
-    try:
-        idx = reader._index
-        slots = idx.live_slots()
-        return list(zip(idx.arena[slots].tolist(), idx.off[slots].tolist()))
-    finally:
-        reader.close()
-
-
-def _corrupt(root: str, places) -> None:
-    """Flip the first byte of each object behind the server's back."""
-    (ns,) = os.listdir(root)
-    for aid, off in places:
-        fd = os.open(
-            os.path.join(root, ns, f"{aid:016x}.arena"), os.O_RDWR | os.O_NOFOLLOW
-        )
-        try:
-            os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
-        finally:
-            os.close(fd)
 
 
 class _Seen:
@@ -178,7 +128,9 @@ def test_metrics_count_what_the_client_saw(server, tiny_moe):
     # A request whose routes were corrupted in the store: a 500 for it only.
     victim = SHARED_PREFIX + "These routes get corrupted behind the server."
     assert seen.completion(server, victim)[0] == 200
-    _corrupt(server.shm_root, _store_objects(server.shm_root))
+    corrupt_objects(
+        server.shm_root, [place for _, place in store_objects(server.shm_root)]
+    )
     status, out = seen.completion(server, victim)
     assert status == 500, out
     assert seen.failures == {"ChecksumMismatchError": 1}
@@ -212,7 +164,7 @@ def test_metrics_count_what_the_client_saw(server, tiny_moe):
     assert retained == 0
     assert _value(now, P + "store_capacity_bytes") == CAPACITY
     objects = _value(now, P + "store_objects")
-    assert objects == len(_store_objects(server.shm_root)) > 0
+    assert objects == len(store_objects(server.shm_root)) > 0
     assert 0 < _value(now, P + "store_used_bytes") <= CAPACITY
     assert _value(now, P + "store_published_objects_total") >= objects
     assert _value(now, P + "store_evicted_objects_total") == 0

@@ -144,6 +144,27 @@ def serve_flags(root: str, **artifact) -> list[str]:
     ]  # fmt: skip
 
 
+@contextlib.contextmanager
+def r3_server(model, flags: list[str], root: str, log_name: str):
+    """A ``vllm serve`` with the R3 test flags and the development endpoints
+    (``/pause``, ``/resume``, ``/reset_prefix_cache``); ``srv.shm_root`` is
+    ``root``, which must be gone after the clean shutdown."""
+    from server import VllmServer
+
+    old = os.environ.get("VLLM_SERVER_DEV_MODE")
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    try:
+        with VllmServer(model, flags, log_name=log_name) as srv:
+            srv.shm_root = root
+            yield srv
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
+        else:
+            os.environ["VLLM_SERVER_DEV_MODE"] = old
+    assert not os.path.exists(root), "the store outlived a clean shutdown"
+
+
 def http_post(
     base_url: str, path: str, body: dict | None = None, timeout: float = 120
 ) -> tuple[int, dict]:
