@@ -49,6 +49,7 @@ from utils.r3 import (
     serve_flags,
     store_objects,
 )
+from utils.shm import small_tmpfs
 
 pytestmark = pytest.mark.engine
 
@@ -178,24 +179,10 @@ def _wait_new_objects(root: str, before: set[str], n: int, timeout: float = 60):
 # ------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def tmpfs_dir():
-    """A 2 MiB tmpfs mounted under /dev/shm: a ``/dev/shm`` that can really
-    be filled. The leak guard attributes it to this session (pid in name)."""
-    mnt = f"/dev/shm/vart-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.mkdir(mnt, 0o700)
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", mnt],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode:
-        os.rmdir(mnt)
-        pytest.skip(f"cannot mount a tmpfs under /dev/shm here: {r.stderr.strip()}")
-    try:
+    """A 2 MiB tmpfs under /dev/shm: a ``/dev/shm`` that can really be
+    filled."""
+    with small_tmpfs("2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", mnt], check=False)
-        with contextlib.suppress(OSError):
-            os.rmdir(mnt)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from utils.shm import small_tmpfs
 
 from vllm.distributed.artifact_connector.shm import (
     ShmStoreReader,
@@ -36,7 +37,6 @@ from vllm.distributed.artifact_connector.store import (
     UnsafeStoreError,
     checksum,
 )
-from vllm.distributed.safe_fs import ensure_private_shm_dir
 
 from .helpers import key, make_dead, payload, put, read, read_refs
 
@@ -284,20 +284,10 @@ def test_spare_arena_is_prepared_ahead(shm_root):
 
 # ----------------------------------------------------------------- full /dev/shm
 @pytest.fixture
-def tiny_tmpfs(shm_root):
+def tiny_tmpfs():
     """A real 256 KiB tmpfs mounted under /dev/shm (needs CAP_SYS_ADMIN)."""
-    ensure_private_shm_dir(shm_root)
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", shm_root],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
-    try:
-        yield shm_root
-    finally:
-        subprocess.run(["umount", "-l", shm_root], check=False)
+    with small_tmpfs("256k") as mnt:
+        yield mnt
 
 
 def test_full_dev_shm_is_a_typed_capacity_error(tiny_tmpfs):
@@ -318,7 +308,7 @@ def test_full_dev_shm_is_a_typed_capacity_error(tiny_tmpfs):
 
 def test_full_dev_shm_on_the_index_log_leaves_log_and_index_agreeing(tiny_tmpfs):
     w = ShmStoreWriter(
-        tiny_tmpfs, make_namespace(), capacity_bytes=8 << 20, arena_bytes=200 << 10
+        tiny_tmpfs, make_namespace(), capacity_bytes=8 << 20, arena_bytes=100 << 10
     )
     refs = [put(w, [(key(0), payload(0, 100))]).refs[0]]
     # Fill the rest of the file system so that the next log append fails.
@@ -784,3 +774,19 @@ def test_a_deleted_arena_is_retired_and_its_retained_objects_kept(shm_root):
     assert read(r, more) == [b"later"]
     r.close()
     w.close()
+
+
+def test_too_little_room_under_the_root_is_refused_at_start():
+    """A /dev/shm of 1 MiB (a container's small default) cannot hold the
+    default capacity's two 64 MiB arenas: the writer refuses to start with
+    the fix in the message, and leaves nothing; a capacity whose arenas fit
+    starts."""
+    with small_tmpfs("1m") as mnt:
+        root = os.path.join(mnt, "store")
+        with pytest.raises(StoreCapacityError, match="--shm-size") as e:
+            ShmStoreWriter(root, make_namespace())
+        assert "needs at least 128.0 MiB" in str(e.value)
+        assert os.listdir(mnt) == []
+        w = ShmStoreWriter(root, make_namespace(), capacity_bytes=4 << 20)
+        w.close()
+        assert os.listdir(mnt) == []

@@ -171,9 +171,33 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._broken: str | None = None  # why the store could not be recreated
         self._last_check = self._last_broken_log = 0.0
         self._collect(force=True)
+        self._check_room()
         self._create_store()
         self._last_heartbeat = time.monotonic()
         self._closed = False
+
+    def _check_room(self) -> None:
+        """Refuse to start where the file system cannot hold the two arenas
+        the store needs at once (a container's default 64 MiB ``/dev/shm``
+        and the default capacity): every request would fail otherwise."""
+        need = 2 * self._arena_bytes
+        try:
+            st = os.statvfs(self._root)
+        except OSError as e:
+            raise _io_error(e, f"checking the free space under {self._root}") from e
+        free = st.f_bavail * st.f_frsize
+        if free >= need:
+            return
+        with contextlib.suppress(OSError):
+            os.rmdir(self._root)  # only if this writer just created it, empty
+        raise StoreCapacityError(
+            f"{self._root} has {free / (1 << 20):.1f} MiB free; the routed-experts "
+            f"store needs at least {need / (1 << 20):.1f} MiB to start (an active "
+            f"and a spare arena of {self._arena_bytes / (1 << 20):.1f} MiB). Give "
+            "/dev/shm more room (e.g. `docker run --shm-size=16g`, or a larger "
+            "memory-backed /dev/shm volume), or lower --artifact-config "
+            "capacity_bytes (arenas are capacity/16, from 64 KiB to 64 MiB)."
+        )
 
     def _create_store(self) -> None:
         """Create this store's directory and files under the root: at start,
