@@ -670,13 +670,10 @@ class ArtifactWorkerConnector:
         publisher = self._publisher
         assert publisher is not None
         report = publisher.report()
-        start = time.monotonic()
-        if stats_now or start >= self._stats_due:
+        now = time.monotonic()
+        if stats_now or now >= self._stats_due:
             stats = publisher.metrics()
-            # The store's stats() may cost O(objects): keep it under 2% of
-            # the time.
-            cost = time.monotonic() - start
-            self._stats_due = start + max(STATS_INTERVAL_S, 50 * cost)
+            self._stats_due = now + STATS_INTERVAL_S
             if stats != self._stats_sent:
                 self._stats_sent = stats
                 report = dataclasses.replace(report, stats=stats)

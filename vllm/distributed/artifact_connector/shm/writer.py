@@ -796,7 +796,8 @@ class ShmStoreWriter(ObjectStoreWriter):
             idx = self._index
             return StoreStats(
                 objects=idx.num_versions,
-                keys=len(idx.current.keys() | idx.older.keys()),
+                # ``older`` is small (keys with divergent versions)
+                keys=len(idx.current) + sum(k not in idx.current for k in idx.older),
                 used_bytes=self._used() if not self._closed else 0,
                 capacity_bytes=self._capacity,
                 retained_keys=len(self._retain_count),
