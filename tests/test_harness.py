@@ -119,6 +119,8 @@ def test_leak_guard_counts_only_what_this_session_used():
         # a leak names the process that held it and the test then running
         assert session.who("/dev/shm", held).startswith(f"pid {child.pid} (")
         assert "test_harness.py" in session.who("/dev/shm", held)
+        assert session.in_use("/dev/shm", held)
+        assert not session.in_use("/dev/shm", other)  # not this session's
     finally:
         child.kill()
         child.wait()
