@@ -115,6 +115,14 @@ def _exact_or_typed(tiny_moe, status: int, body: dict) -> str:
     return _typed_error(status, body)
 
 
+def _following(server, tiny_moe, tag: str) -> list[str]:
+    """Three fresh requests after a fault: how each was answered."""
+    return [
+        _exact_or_typed(tiny_moe, *_complete(server, _prompt(f"{tag}-after-{i}")))
+        for i in range(3)
+    ]
+
+
 def _assert_exact(server, tiny_moe, prompt: str, **kw) -> None:
     status, body = _complete(server, prompt, **kw)
     assert status == 200, body
@@ -301,10 +309,7 @@ def test_arena_deleted_while_its_request_runs(server, tiny_moe):
         os.unlink(p)
     assert run.alive(), "the request finished before the arena was deleted"
     answer = _exact_or_typed(tiny_moe, *run.join())
-    following = [
-        _exact_or_typed(tiny_moe, *_complete(server, _prompt(f"unlink-after-{i}")))
-        for i in range(3)
-    ]
+    following = _following(server, tiny_moe, "unlink")
     _record(
         "2b arena deleted mid-run",
         reader_had_it_mapped=mapped,
@@ -340,10 +345,7 @@ def test_store_directory_made_unreadable(server, tiny_moe):
     shutil.rmtree(root)
     assert run.alive(), "the request finished before the store was removed"
     removed_answer = _exact_or_typed(tiny_moe, *run.join())
-    following = [
-        _exact_or_typed(tiny_moe, *_complete(server, _prompt(f"rmtree-after-{i}")))
-        for i in range(3)
-    ]
+    following = _following(server, tiny_moe, "rmtree")
     _record(
         "3b store root removed mid-run",
         answer=removed_answer,
@@ -365,10 +367,7 @@ def test_store_directory_made_unreadable(server, tiny_moe):
     finally:
         os.unlink(root)
     time.sleep(0.5)
-    after_file = [
-        _exact_or_typed(tiny_moe, *_complete(server, _prompt(f"file-after-{i}")))
-        for i in range(3)
-    ]
+    after_file = _following(server, tiny_moe, "file")
     _record(
         "3c a file in place of the store root",
         answers=blocked,
