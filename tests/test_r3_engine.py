@@ -391,12 +391,15 @@ def test_tensor_parallel_2_no_collective_waits_on_publication(tp2_llm, tiny_moe)
     tokens: list[int] = []
     finished = []
 
+    def step() -> None:
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+            if out.finished:
+                finished.append(out)
+
     def decode() -> None:
         while not finished:
-            for out in engine.step():
-                tokens.extend(out.outputs[0].token_ids)
-                if out.finished:
-                    finished.append(out)
+            step()
             if not finished and len(tokens) == max_tokens - 1:
                 return  # the last token comes with the held terminal output
 
@@ -416,10 +419,7 @@ def test_tensor_parallel_2_no_collective_waits_on_publication(tp2_llm, tiny_moe)
         waited = llm.collective_rpc(_resume_publication)
     assert waited == [True, None], "the publication thread was never held"
     while not finished:
-        for out in engine.step():
-            tokens.extend(out.outputs[0].token_ids)
-            if out.finished:
-                finished.append(out)
+        step()
     (out,) = finished
     assert len(tokens) == max_tokens
     completion = out.outputs[0]

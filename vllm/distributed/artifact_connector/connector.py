@@ -359,6 +359,7 @@ class ArtifactSchedulerConnector:
                     continue
                 stats.publish_s.append(now - entry.ended)
                 start = time.perf_counter()
+                rows, error = None, None
                 try:
                     end = min(entry.num_rows, ack.num_rows)
                     rows = read_rows(
@@ -369,12 +370,10 @@ class ArtifactSchedulerConnector:
                         first_row=entry.first_row,
                     )[: end - entry.first_row]
                 except ArtifactError as e:
-                    stats.materialization_s.append(time.perf_counter() - start)
                     logger.warning("routes of request %s unreadable: %s", aid[0], e)
-                    self._emit(entry, None, f"{type(e).__name__}: {e}")
-                else:
-                    stats.materialization_s.append(time.perf_counter() - start)
-                    self._emit(entry, rows, None)
+                    error = f"{type(e).__name__}: {e}"
+                stats.materialization_s.append(time.perf_counter() - start)
+                self._emit(entry, rows, error)
             for failure in report.failures:
                 aid = (failure.req_id, failure.attempt)
                 error = f"{failure.error_type}: {failure.message}"

@@ -47,7 +47,6 @@ class ShmStoreReader(ObjectStoreReader):
                 f"got {namespace!r:.80}"
             )
         self._namespace = namespace
-        self._root = root
         self._root_fd = self._ns_fd = self._log_fd = -1
         self._ns_id = (0, 0)
         self._arenas: dict[int, Arena] = {}
@@ -55,10 +54,9 @@ class ShmStoreReader(ObjectStoreReader):
         self._log_pos = 0
         self._log_ino = 0
         self.checksum_failures = 0
-        real = shm_subdir(root, error=UnsafeStoreError)
-        self._root = real
+        self._root = shm_subdir(root, error=UnsafeStoreError)
         try:
-            self._root_fd = open_private_dir(real, error=UnsafeStoreError)
+            self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
             self._ns_fd = open_private_dir(
                 namespace, dir_fd=self._root_fd, error=UnsafeStoreError
             )
@@ -68,7 +66,7 @@ class ShmStoreReader(ObjectStoreReader):
         except FileNotFoundError as e:
             self.close()
             raise StoreClosedError(
-                f"artifact store {namespace} does not exist under {real}"
+                f"artifact store {namespace} does not exist under {self._root}"
             ) from e
         except OSError as e:
             self.close()
@@ -141,15 +139,12 @@ class ShmStoreReader(ObjectStoreReader):
             ns_fd = open_private_dir(
                 self._namespace, dir_fd=root_fd, error=UnsafeStoreError
             )
-        except OSError as e:
+        except BaseException as e:
             for fd in (ns_fd, root_fd):
                 if fd >= 0:
                     os.close(fd)
-            raise gone from e
-        except BaseException:
-            for fd in (ns_fd, root_fd):
-                if fd >= 0:
-                    os.close(fd)
+            if isinstance(e, OSError):
+                raise gone from e
             raise
         for fd in (self._ns_fd, self._root_fd):
             with contextlib.suppress(OSError):

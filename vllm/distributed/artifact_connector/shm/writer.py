@@ -276,10 +276,10 @@ class ShmStoreWriter(ObjectStoreWriter):
             )
             self._log_size = write_all(self._log_fd, [log.header_bytes()], 0)
         except OSError as e:
-            self._release_files(remove=True)
+            self._release_files()
             raise _io_error(e, f"creating artifact store {namespace}") from e
         except BaseException:
-            self._release_files(remove=True)
+            self._release_files()
             raise
 
     @property
@@ -702,7 +702,7 @@ class ShmStoreWriter(ObjectStoreWriter):
                 self._namespace,
                 self._root,
             )
-        self._release_files(remove=True, rmdir_root=False)
+        self._release_files(rmdir_root=False)
         self._index = Index()
         self._log_size = self._record_bytes = 0
         try:
@@ -811,12 +811,12 @@ class ShmStoreWriter(ObjectStoreWriter):
             if self._closed and self._root_fd < 0:
                 return
             self._closed = True
-            self._release_files(remove=True, rmdir_root=True)
+            self._release_files(rmdir_root=True)
 
-    def _release_files(self, *, remove: bool, rmdir_root: bool = True) -> None:
-        """Unmap the arenas, close every descriptor and (``remove``) delete
-        this store's files; ``rmdir_root`` also removes the root when no
-        other store is in it."""
+    def _release_files(self, *, rmdir_root: bool = True) -> None:
+        """Unmap the arenas, close every descriptor and delete this store's
+        files; ``rmdir_root`` also removes the root when no other store is
+        in it."""
         for arena in self._arenas.values():
             arena.close()
         self._arenas.clear()
@@ -827,14 +827,13 @@ class ShmStoreWriter(ObjectStoreWriter):
                     os.close(fd)
         self._log_fd = self._writer_fd = self._ns_fd = -1
         if self._root_fd >= 0:
-            if remove:
-                remove_namespace(self._root_fd, self._namespace)
+            remove_namespace(self._root_fd, self._namespace)
             os.close(self._root_fd)
             self._root_fd = -1
             # Leave nothing behind on a clean shutdown: the root goes too
             # when no other store is in it (a writer starting meanwhile
             # recreates it).
-            if remove and rmdir_root:
+            if rmdir_root:
                 with contextlib.suppress(OSError):
                     os.rmdir(self._root)
 
