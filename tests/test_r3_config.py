@@ -20,17 +20,22 @@ import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
 from harness_env import CACHE
 
+import vllm.config.artifact as artifact_module
 import vllm.envs as envs
-from vllm.config import AuxOutputConfig, VllmConfig
+from vllm.config import AuxOutputConfig, ModelConfig, VllmConfig
 from vllm.config.artifact import (
     DEFAULT_CAPACITY_BYTES,
+    MIN_CAPACITY_BYTES,
+    MIN_INACTIVE_TTL_S,
     ArtifactConfig,
+    check_prefix_caching_for_routed_experts,
     routed_experts_row_spec,
     verify_artifact_config,
 )
@@ -196,10 +201,10 @@ def test_artifact_config_json_sets_capacity(parser, tiny_moe):
         parser,
         tiny_moe,
         "--artifact-config",
-        '{"enable_routed_experts": true, "capacity_bytes": 12345}',
+        '{"enable_routed_experts": true, "capacity_bytes": 300000}',
     )
     assert cfg.artifact_config.enable_routed_experts is True
-    assert cfg.artifact_config.capacity_bytes == 12345
+    assert cfg.artifact_config.capacity_bytes == 300000
 
 
 def test_aux_output_max_bytes_becomes_capacity_bytes(parser, tiny_moe):
@@ -207,10 +212,10 @@ def test_aux_output_max_bytes_becomes_capacity_bytes(parser, tiny_moe):
         parser,
         tiny_moe,
         "--aux-output-config",
-        '{"enable_return_routed_experts": true, "max_bytes": 4567}',
+        '{"enable_return_routed_experts": true, "max_bytes": 200000}',
     )
     assert cfg.artifact_config.enable_routed_experts is True
-    assert cfg.artifact_config.capacity_bytes == 4567
+    assert cfg.artifact_config.capacity_bytes == 200000
     assert cfg.aux_output_config.enabled is False
     assert cfg.aux_output_config.max_bytes is None
 
@@ -218,11 +223,11 @@ def test_aux_output_max_bytes_becomes_capacity_bytes(parser, tiny_moe):
 def test_aux_output_max_bytes_does_not_override_an_explicit_capacity(tiny_moe):
     cfg = _build(
         tiny_moe,
-        artifact_config={"capacity_bytes": 12345},
-        aux_output_config={"enable_return_routed_experts": True, "max_bytes": 4567},
+        artifact_config={"capacity_bytes": 300000},
+        aux_output_config={"enable_return_routed_experts": True, "max_bytes": 200000},
     )
     assert cfg.artifact_config.enable_routed_experts is True
-    assert cfg.artifact_config.capacity_bytes == 12345
+    assert cfg.artifact_config.capacity_bytes == 300000
 
 
 def test_two_parses_get_different_instance_ids_and_namespaces(parser, tiny_moe):
@@ -269,7 +274,7 @@ def test_hash_ignores_capacity_shm_root_ttl_and_instance_id(tiny_moe):
         artifact_config={
             "capacity_bytes": 1 << 20,
             "shm_root": _shm_name("hash"),
-            "inactive_ttl_s": 5.0,
+            "inactive_ttl_s": 120.0,
         },
     )
     assert other.artifact_config.capacity_bytes == 1 << 20
@@ -485,3 +490,273 @@ def test_aux_output_config_set_directly_on_vllm_config_is_rejected(tiny_moe):
             artifact_config=ArtifactConfig(enable_routed_experts=True),
             aux_output_config=AuxOutputConfig(enable_return_routed_experts=True),
         )
+
+
+# --------------------------------------------------------------------------
+# 4. Startup gaps: causes found after or around the verifier
+# --------------------------------------------------------------------------
+
+
+def test_prefix_caching_turned_off_after_verification_is_rejected(tiny_moe):
+    """The engine core turns prefix caching off for models with non-causal
+    attention layers after the verifier ran; the scheduler connector calls
+    check_prefix_caching_for_routed_experts then."""
+    cfg = _build_r3(tiny_moe)
+    check_prefix_caching_for_routed_experts(cfg)  # on: accepted
+    cfg.cache_config.enable_prefix_caching = False
+    with _rejects("non-causal attention layers") as exc:
+        check_prefix_caching_for_routed_experts(cfg)
+    assert "serve this model without --enable-routed-experts" in str(exc.value)
+    assert FIX_PREFIX not in str(exc.value)
+    cfg.artifact_config.enable_routed_experts = False
+    check_prefix_caching_for_routed_experts(cfg)  # R3 off: nothing to check
+
+
+def _patch_property(monkeypatch, cls, name, value):
+    monkeypatch.setattr(cls, name, property(lambda self: value))
+
+
+@pytest.mark.parametrize(
+    "cause, expected",
+    [
+        ("model-unsupported", "does not support (encoder_decoder attention)"),
+        ("model-hook", "which UnlimitedOCRForCausalLM turns off"),
+        ("encoder-only", "enable routed experts on the instances that generate"),
+        ("riscv", "which vLLM turns off on RISC-V CPUs"),
+        ("cpu-mla", "which the CPU platform turns off for MLA models"),
+    ],
+)
+def test_prefix_caching_off_names_its_real_cause(
+    tiny_moe, monkeypatch, cause, expected
+):
+    """Prefix caching turned off by the model or the platform before the
+    verifier: the message names that, not --no-enable-prefix-caching. The
+    causes are simulated on a built configuration (the tiny MoE has none)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    cfg = _build_r3(tiny_moe)
+    cfg.cache_config.enable_prefix_caching = False
+    if cause == "model-unsupported":
+        _patch_property(monkeypatch, ModelConfig, "is_prefix_caching_supported", False)
+        _patch_property(monkeypatch, ModelConfig, "attn_type", "encoder_decoder")
+        expected = f"which {tiny_moe} {expected}"
+    elif cause == "model-hook":
+        _patch_property(
+            monkeypatch, ModelConfig, "architectures", ["UnlimitedOCRForCausalLM"]
+        )
+    elif cause == "encoder-only":
+        _patch_property(monkeypatch, VllmConfig, "is_mm_encoder_only", True)
+    elif cause == "riscv":
+        monkeypatch.setattr(
+            current_platform, "get_cpu_architecture", lambda: CpuArchEnum.RISCV
+        )
+    else:
+        _patch_property(monkeypatch, ModelConfig, "use_mla", True)
+    with _rejects(expected) as exc:
+        verify_artifact_config(cfg)
+    assert FIX_PREFIX not in str(exc.value)
+
+
+@pytest.fixture
+def v2_model_runner_unset(monkeypatch):
+    """VLLM_USE_V2_MODEL_RUNNER unset: vLLM picks the runner itself."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    if envs._is_envs_cache_enabled():
+        monkeypatch.setattr(envs, "__getattr__", envs.__getattr__.__wrapped__)
+    assert envs.VLLM_USE_V2_MODEL_RUNNER is None
+
+
+@pytest.mark.parametrize(
+    "cause, expected",
+    [
+        ("no-triton", "install Triton"),
+        ("unsupported", "drop speculative method 'suffix'"),
+    ],
+)
+def test_model_runner_v1_fallback_names_its_real_cause(
+    tiny_moe, monkeypatch, cause, expected
+):
+    """With VLLM_USE_V2_MODEL_RUNNER unset, vLLM falls back to V1 without
+    Triton or for features V2 lacks; setting the variable is not the fix.
+    Built with V2 first, then the fallback is simulated (this CPU harness
+    forces V2)."""
+    import vllm.config.vllm as vllm_module
+
+    cfg = _build_r3(tiny_moe)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    if envs._is_envs_cache_enabled():
+        monkeypatch.setattr(envs, "__getattr__", envs.__getattr__.__wrapped__)
+    assert envs.VLLM_USE_V2_MODEL_RUNNER is None
+    monkeypatch.setattr(vllm_module, "HAS_TRITON", cause != "no-triton")
+    features = ["speculative method 'suffix'"] if cause == "unsupported" else []
+    monkeypatch.setattr(
+        VllmConfig, "_get_v2_model_runner_unsupported_features", lambda self: features
+    )
+    assert cfg.use_v2_model_runner is False
+    with _rejects(expected) as exc:
+        verify_artifact_config(cfg)
+    if cause == "unsupported":  # forcing V2 is no fix for what V2 lacks
+        assert FIX_V2 not in str(exc.value)
+
+
+def test_rejects_capacity_below_the_store_minimum(tiny_moe):
+    with _rejects(f'{{"capacity_bytes": {MIN_CAPACITY_BYTES}}}'):
+        _build_r3(tiny_moe, artifact_config={"capacity_bytes": MIN_CAPACITY_BYTES - 1})
+    cfg = _build_r3(tiny_moe, artifact_config={"capacity_bytes": MIN_CAPACITY_BYTES})
+    assert cfg.artifact_config.capacity_bytes == MIN_CAPACITY_BYTES
+
+
+@pytest.mark.parametrize("ttl", [0.0, MIN_INACTIVE_TTL_S - 1])
+def test_rejects_inactive_ttl_below_the_minimum(tiny_moe, ttl):
+    with _rejects(f'{{"inactive_ttl_s": {MIN_INACTIVE_TTL_S:g}}}'):
+        _build_r3(tiny_moe, artifact_config={"inactive_ttl_s": ttl})
+    cfg = _build_r3(tiny_moe, artifact_config={"inactive_ttl_s": MIN_INACTIVE_TTL_S})
+    assert cfg.artifact_config.inactive_ttl_s == MIN_INACTIVE_TTL_S
+
+
+@pytest.mark.parametrize(
+    "choice, num_experts", [("auto", (1 << 15) + 1), ("uint16", (1 << 16) + 1)]
+)
+def test_too_many_experts_for_the_dtype_names_int32(
+    tiny_moe, monkeypatch, choice, num_experts
+):
+    cfg = _build_r3(tiny_moe, artifact_config={"routed_experts_dtype": choice})
+    monkeypatch.setattr(ModelConfig, "get_num_experts", lambda self: num_experts)
+    with _rejects("""set --artifact-config '{"routed_experts_dtype": "int32"}'"""):
+        verify_artifact_config(cfg)
+    cfg.artifact_config.routed_experts_dtype = "int32"
+    assert routed_experts_row_spec(cfg).dtype == np.int32
+
+
+def test_rejects_moe_on_a_subset_of_tokens(tiny_moe, monkeypatch):
+    """ERNIE-4.5-VL-MoE runs text and vision tokens through two expert sets
+    with one layer id: the base's capturer would misalign their rows."""
+    cfg = _build_r3(tiny_moe)
+    arch = "Ernie4_5_VLMoeForConditionalGeneration"
+    _patch_property(monkeypatch, ModelConfig, "architectures", [arch])
+    with _rejects(arch) as exc:
+        verify_artifact_config(cfg)
+    assert FIX_MOE in str(exc.value)
+
+
+# A store root another local user (or a stray file) took first.
+HIJACKS = ["other-owner", "mode-755", "symlink", "file"]
+
+
+def _hijack(path: str, how: str, target: str) -> None:
+    if how == "other-owner":
+        os.mkdir(path, 0o700)
+        os.chown(path, 65534, 65534)  # nobody; these tests run as root
+    elif how == "mode-755":
+        os.mkdir(path)
+        os.chmod(path, 0o755)
+    elif how == "symlink":
+        os.makedirs(target, mode=0o700)
+        os.symlink(target, path)
+    else:
+        with open(path, "w"):
+            pass
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.lexists(path):
+        shutil.rmtree(path)
+
+
+@pytest.fixture
+def hijack_paths():
+    paths = [_shm_name("hijacked"), _shm_name("hijack-target")]
+    yield paths
+    for p in paths:
+        _remove(p)
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(os.path.basename(paths[0]) + "-"):
+            _remove(os.path.join("/dev/shm", name))
+
+
+@pytest.mark.parametrize("how", HIJACKS)
+def test_hijacked_default_shm_root_gets_a_fresh_private_root(
+    tiny_moe, monkeypatch, hijack_paths, how
+):
+    from vllm.distributed.artifact_connector.shm import ShmStoreWriter, make_namespace
+
+    default, target = hijack_paths
+    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    _hijack(default, how, target)
+    warnings: list[str] = []
+    monkeypatch.setattr(
+        artifact_module.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+    )
+    cfg = _build_r3(tiny_moe)  # no shm_root given: the default
+    root = cfg.artifact_config.shm_root
+    assert re.fullmatch(re.escape(default) + "-[0-9a-f]{16}", root), root
+    st = os.lstat(root)
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(st.st_mode) == 0o700
+    (warning,) = warnings
+    assert default in warning and root in warning
+    if how == "other-owner":
+        assert "uid 65534" in warning
+    # The engine processes get the fresh root with the pickled config, and
+    # it goes at shutdown like the default one: the writer removes it.
+    verify_artifact_config(cfg)  # verified again (a copy): the same root
+    assert cfg.artifact_config.shm_root == root
+    writer = ShmStoreWriter(root, make_namespace(), capacity_bytes=MIN_CAPACITY_BYTES)
+    writer.close()
+    assert not os.path.lexists(root)
+
+
+def test_fresh_roots_of_crashed_engines_are_collected(
+    tiny_moe, monkeypatch, hijack_paths
+):
+    """A crashed engine's store in an earlier fresh root is collected when
+    the next engine picks its own fresh root (nobody uses the old one)."""
+    from tests.artifact_connector.helpers import make_dead
+    from vllm.distributed.artifact_connector.shm import ShmStoreWriter, make_namespace
+
+    default, target = hijack_paths
+    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    _hijack(default, "other-owner", target)
+    earlier = _build_r3(tiny_moe).artifact_config.shm_root
+    ns = make_namespace()
+    dead = ShmStoreWriter(earlier, ns, capacity_bytes=MIN_CAPACITY_BYTES)
+    alive_ns = make_namespace()
+    alive = ShmStoreWriter(earlier, alive_ns, capacity_bytes=MIN_CAPACITY_BYTES)
+    try:
+        make_dead(os.path.join(earlier, ns))
+        later = _build_r3(tiny_moe).artifact_config.shm_root
+        assert later != earlier
+        assert not os.path.lexists(os.path.join(earlier, ns))
+        assert os.path.isdir(os.path.join(earlier, alive_ns))  # live: kept
+    finally:
+        dead.close()
+        alive.close()
+
+
+@pytest.mark.parametrize("how", HIJACKS)
+@pytest.mark.parametrize("nested", [False, True], ids=["root", "parent"])
+def test_explicit_shm_root_failing_its_checks_is_refused(
+    tiny_moe, hijack_paths, how, nested
+):
+    bad, target = hijack_paths
+    _hijack(bad, how, target)
+    root = f"{bad}/store" if nested else bad
+    with pytest.raises(ValueError, match="artifact shm_root") as exc:
+        _build_r3(tiny_moe, artifact_config={"shm_root": root})
+    if how != "symlink":  # a symlink is refused by the path check first
+        assert "--artifact-config" in str(exc.value)
+    assert not [
+        n for n in os.listdir("/dev/shm") if n.startswith(os.path.basename(bad) + "-")
+    ]
+
+
+def test_explicit_private_shm_root_is_accepted(tiny_moe):
+    root = _shm_name("private")
+    os.mkdir(root, 0o700)
+    try:
+        cfg = _build_r3(tiny_moe, artifact_config={"shm_root": root})
+        assert cfg.artifact_config.shm_root == root
+    finally:
+        os.rmdir(root)

@@ -153,6 +153,29 @@ def test_writer_close_removes_the_store(shm_root):
         ShmStoreReader(shm_root, w.namespace)
 
 
+def test_min_capacity_is_the_smallest_store_the_writer_accepts(shm_root):
+    """The configuration's minimum (ArtifactConfig rejects less) is a store
+    that keeps serving puts once its first arena is full, evicting; two
+    arenas' worth is not (the full active arena cannot go before the next
+    one exists)."""
+    from vllm.config.artifact import MIN_CAPACITY_BYTES
+
+    def fill(capacity: int, root: str) -> None:
+        w = ShmStoreWriter(root, make_namespace(), capacity_bytes=capacity)
+        try:
+            for i in range(8):
+                put(w, [(key(i), payload(i, 40 << 10))])
+            assert w.stats().used_bytes <= capacity
+            assert w.stats().evicted_objects > 0
+        finally:
+            w.close()
+
+    assert MIN_CAPACITY_BYTES == writer_mod.MIN_CAPACITY_BYTES
+    fill(MIN_CAPACITY_BYTES, shm_root)
+    with pytest.raises(StoreCapacityError):
+        fill(2 * writer_mod.MIN_ARENA_BYTES, shm_root)
+
+
 def test_every_entry_is_private(writer, shm_root):
     put(writer, [(key(1), b"x")])
     writer.maintain()  # a spare arena too

@@ -13,6 +13,12 @@ import numpy as np
 from pydantic import Field
 
 from vllm.config.utils import config
+from vllm.distributed.artifact_connector.shm.writer import (
+    DEFAULT_CAPACITY_BYTES,
+    DEFAULT_INACTIVE_TTL_S,
+    MIN_CAPACITY_BYTES,
+    MIN_INACTIVE_TTL_S,
+)
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -28,8 +34,20 @@ RoutedExpertsDtype = Literal["auto", "uint16", "int32"]
 # the role kv_both. Prefix hits they serve are ordinary local hits.
 LOCAL_KV_CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
 
+# MoE architectures that run a FusedMoE on a subset of the batch's tokens:
+# the base's capturer writes the subset's routes to the first rows of the
+# step, so the rows of the other tokens are wrong.
+SUBSET_MOE_ARCHITECTURES = {
+    "Ernie4_5_VLMoeForConditionalGeneration": (
+        "routes text and vision tokens through two expert sets under one layer id"
+    ),
+}
 
-DEFAULT_CAPACITY_BYTES = 8 << 30
+# Models whose own config hook turns prefix caching off (model_executor/
+# models/config.py), with the reason the hook gives.
+MODELS_WITHOUT_PREFIX_CACHING = {
+    "UnlimitedOCRForCausalLM": "its R-SWA decode KV cannot be reused",
+}
 
 
 def default_shm_root() -> str:
@@ -49,19 +67,22 @@ class ArtifactConfig:
     """Where routes are published: ``shm``, a same-node store under
     ``/dev/shm``."""
 
-    shm_root: str = Field(default_factory=default_shm_root)
+    shm_root: str = Field(default_factory=lambda: default_shm_root())
     """Directory of the store, strictly under ``/dev/shm`` (created 0700).
-    Each engine (and data-parallel rank) gets its own store inside it."""
+    Each engine (and data-parallel rank) gets its own store inside it. If
+    the default one is held by another user, a fresh private directory next
+    to it is used instead (with a warning)."""
 
     capacity_bytes: int = Field(default=DEFAULT_CAPACITY_BYTES, gt=0)
     """Bytes the store may use in ``/dev/shm`` (per engine and data-parallel
-    rank); the oldest unretained routes are evicted beyond it. A prefix-cache
-    hit on evicted routes fails that request with ``ObjectMissingError``."""
+    rank), at least ``MIN_CAPACITY_BYTES`` (two of the smallest arenas); the
+    oldest unretained routes are evicted beyond it. A prefix-cache hit on
+    evicted routes fails that request with ``ObjectMissingError``."""
 
-    inactive_ttl_s: float = Field(default=3600.0, ge=0)
+    inactive_ttl_s: float = Field(default=DEFAULT_INACTIVE_TTL_S, ge=0)
     """A store whose writer cannot be proven alive or dead is removed after
     this many seconds without a heartbeat (a dead writer's store goes at
-    once)."""
+    once); at least ``MIN_INACTIVE_TTL_S``."""
 
     routed_experts_dtype: RoutedExpertsDtype = "auto"
     """dtype of the returned expert IDs: ``auto`` is uint8 up to 256 experts,
@@ -118,10 +139,21 @@ def routed_experts_row_spec(vllm_config: "VllmConfig") -> "RowSpec":
     top_k = model.get_num_experts_per_tok()
     num_experts = model.get_num_experts()
     choice = vllm_config.artifact_config.routed_experts_dtype
+    # The widest dtype ``choice`` may give (auto: uint8, else int16).
+    widest = np.dtype(np.int16 if choice == "auto" else choice)
+    if num_experts - 1 > np.iinfo(widest).max:
+        allowed = (
+            f"uint8 up to 256 experts, int16 up to {np.iinfo(np.int16).max + 1}"
+            if choice == "auto"
+            else f"up to {np.iinfo(widest).max + 1} experts"
+        )
+        raise ValueError(
+            f"--enable-routed-experts: {num_experts} experts do not fit in "
+            f"routed_experts_dtype {choice!r} ({allowed}); set "
+            """--artifact-config '{"routed_experts_dtype": "int32"}'."""
+        )
     if choice == "auto":
         return RowSpec.for_experts(num_layers, top_k, num_experts)
-    if choice == "uint16" and num_experts > 1 << 16:
-        raise ValueError(f"{num_experts} experts do not fit in uint16")
     return RowSpec(num_layers, top_k, np.dtype(choice))
 
 
@@ -147,7 +179,7 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
         raise ValueError(f"{flag} {problem}; {fix}.")
 
     if not vllm_config.use_v2_model_runner:
-        reject("needs Model Runner V2", "set VLLM_USE_V2_MODEL_RUNNER=1")
+        reject(*_why_model_runner_v1(vllm_config))
     if model.runner_type != "generate":
         reject(
             f"needs a generating model runner, got --runner {model.runner_type}",
@@ -158,11 +190,16 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
             f"needs a Mixture-of-Experts model; {model.model} has no router",
             "drop the flag for this model",
         )
-    if not vllm_config.cache_config.enable_prefix_caching:
+    subset = set(model.architectures) & SUBSET_MOE_ARCHITECTURES.keys()
+    if subset:
+        arch = sorted(subset)[0]
         reject(
-            "needs prefix caching (KV block hashes key the stored routes)",
-            "remove --no-enable-prefix-caching",
+            f"does not support {arch}: it {SUBSET_MOE_ARCHITECTURES[arch]}, so "
+            "the captured routes of its tokens are not aligned with them",
+            "drop the flag for this model",
         )
+    if not vllm_config.cache_config.enable_prefix_caching:
+        reject(*_why_prefix_caching_is_off(vllm_config))
     if parallel.pipeline_parallel_size > 1:
         reject(
             "does not support pipeline parallelism",
@@ -211,13 +248,224 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
             "does not support adaptive speculative verification",
             "turn enable_adaptive_verification off in --speculative-config",
         )
-    from vllm.distributed.safe_fs import UnsafePathError, shm_subdir
+    if cfg.capacity_bytes < MIN_CAPACITY_BYTES:
+        reject(
+            f"needs a store capacity of at least {MIN_CAPACITY_BYTES} bytes "
+            f"({MIN_CAPACITY_BYTES >> 10} KiB: two arenas of the smallest size "
+            "and the store's index), "
+            f"got capacity_bytes={cfg.capacity_bytes}",
+            "set --artifact-config "
+            f"""'{{"capacity_bytes": {MIN_CAPACITY_BYTES}}}' or more""",
+        )
+    if cfg.inactive_ttl_s < MIN_INACTIVE_TTL_S:
+        reject(
+            f"needs an inactive_ttl_s of at least {MIN_INACTIVE_TTL_S:g} s (a "
+            "shorter one removes live stores between their heartbeats), got "
+            f"{cfg.inactive_ttl_s:g}",
+            "set --artifact-config "
+            f"""'{{"inactive_ttl_s": {MIN_INACTIVE_TTL_S:g}}}' or more""",
+        )
+    routed_experts_row_spec(vllm_config)  # the dtype fits the experts
+    # Last: it may create a directory (a fresh root).
+    _resolve_shm_root(cfg)
+
+
+def check_prefix_caching_for_routed_experts(vllm_config: "VllmConfig") -> None:
+    """Raise ``ValueError`` if R3 is on but prefix caching is off. For the
+    engine core, once the KV cache specs are known: the base turns prefix
+    caching off there for models with non-causal attention layers, after
+    :func:`verify_artifact_config` accepted the configuration."""
+    if not vllm_config.artifact_config.enable_routed_experts:
+        return
+    if vllm_config.cache_config.enable_prefix_caching:
+        return
+    import vllm.envs as envs
+
+    cause = (
+        "this model disables it: it has non-causal attention layers (e.g. "
+        "prefix-LM attention), for which vLLM turns prefix caching off when "
+        "the engine starts"
+    )
+    fix = "serve this model without --enable-routed-experts"
+    if envs.VLLM_BATCH_INVARIANT:
+        cause += (
+            ", or VLLM_BATCH_INVARIANT=1 with the FLASHINFER or TRITON_MLA "
+            "attention backend, which turns it off too"
+        )
+        fix += ", or unset VLLM_BATCH_INVARIANT (or choose another attention backend)"
+    raise ValueError(
+        "--enable-routed-experts needs prefix caching (KV block hashes key the "
+        f"stored routes), but {cause}; {fix}."
+    )
+
+
+def _why_model_runner_v1(vllm_config: "VllmConfig") -> tuple[str, str]:
+    """(problem, fix) for a configuration that runs the V1 model runner, in
+    the order ``VllmConfig.use_v2_model_runner`` decides."""
+    import vllm.config.vllm as vllm_module
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER is not None:  # set to 0
+        return (
+            "needs Model Runner V2, and VLLM_USE_V2_MODEL_RUNNER=0 selects V1",
+            "set VLLM_USE_V2_MODEL_RUNNER=1 (or unset it)",
+        )
+    if not vllm_module.HAS_TRITON:
+        return (
+            "needs Model Runner V2, which vLLM does not use without Triton (it "
+            "falls back to the V1 runner)",
+            "install Triton, or set VLLM_USE_V2_MODEL_RUNNER=1 where Model "
+            "Runner V2 runs without it",
+        )
+    unsupported = vllm_config._get_v2_model_runner_unsupported_features()
+    if unsupported:
+        features = ", ".join(unsupported)
+        return (
+            f"needs Model Runner V2, which does not support {features} (vLLM "
+            "falls back to the V1 runner)",
+            f"drop {features}; forcing VLLM_USE_V2_MODEL_RUNNER=1 does not make "
+            "them work",
+        )
+    return ("needs Model Runner V2", "set VLLM_USE_V2_MODEL_RUNNER=1")
+
+
+def _why_prefix_caching_is_off(vllm_config: "VllmConfig") -> tuple[str, str]:
+    """(problem, fix) for prefix caching found off: whoever turned it off
+    before the verifier (the base's config hooks and platform), else the
+    user."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    model = vllm_config.model_config
+    need = "needs prefix caching (KV block hashes key the stored routes)"
+    if vllm_config.is_mm_encoder_only:
+        return (
+            f"{need}, which vLLM turns off on an encoder-only instance "
+            "(ec_transfer_config with an encode-only role: no language model runs)",
+            "enable routed experts on the instances that generate instead",
+        )
+    for arch in model.architectures:
+        if arch in MODELS_WITHOUT_PREFIX_CACHING:
+            return (
+                f"{need}, which {arch} turns off "
+                f"({MODELS_WITHOUT_PREFIX_CACHING[arch]})",
+                "drop the flag for this model",
+            )
+    if current_platform.is_cpu():
+        if current_platform.get_cpu_architecture() == CpuArchEnum.RISCV:
+            return (
+                f"{need}, which vLLM turns off on RISC-V CPUs",
+                "serve routed experts on an x86 or Arm CPU, or on a GPU",
+            )
+        if model.use_mla:
+            return (
+                f"{need}, which the CPU platform turns off for MLA models "
+                "(unless its AMX MLA kernels run them)",
+                "serve this model on a GPU or an x86 CPU with AMX, without "
+                "--no-enable-prefix-caching",
+            )
+    if not model.is_prefix_caching_supported:
+        return (
+            f"{need}, which {model.model} does not support ({model.attn_type} "
+            "attention), so vLLM leaves it off",
+            "drop the flag for this model",
+        )
+    return (need, "remove --no-enable-prefix-caching")
+
+
+def _resolve_shm_root(cfg: ArtifactConfig) -> None:
+    """Check the store root before any process starts. An explicit root that
+    exists must be private (ours, 0700, a real directory): else ``ValueError``
+    naming the fix. The default root, which another local user can create
+    first, is replaced by a fresh private directory next to it (created here,
+    in the process that builds the configuration, so that every engine
+    process gets it with the configuration) rather than stop the engine."""
+    from vllm.distributed.safe_fs import (
+        UnsafePathError,
+        check_private_shm_dir,
+        make_private_shm_dir,
+        shm_subdir,
+    )
+
+    root = cfg.shm_root
+    default = default_shm_root()
+    try:
+        shm_subdir(root)
+    except UnsafePathError as e:
+        if root != default:
+            raise ValueError(f"artifact shm_root: {e}") from None
+    try:
+        check_private_shm_dir(root)
+        return
+    except UnsafePathError as e:
+        if root != default:
+            raise ValueError(
+                f"artifact shm_root: {e}; make it a directory of this user with "
+                f"mode 0700 (`chmod 700 {root}` if it is yours), or set "
+                """--artifact-config '{"shm_root": ...}' to another directory """
+                "under /dev/shm (a missing one is created 0700)"
+            ) from None
+        problem = str(e)
+    try:
+        fresh = make_private_shm_dir(default)
+    except (UnsafePathError, OSError) as e:
+        raise ValueError(
+            f"artifact shm_root: the default {default} cannot be used ({problem}) "
+            f"and no fresh directory could be created next to it ({e}); set "
+            """--artifact-config '{"shm_root": ...}' to a directory of this user """
+            "under /dev/shm"
+        ) from None
+    logger.warning(
+        "Routed experts: the default artifact store root %s cannot be used: %s "
+        "(owner: %s). It may have been created by another local user. Using a "
+        "fresh private root %s instead; remove %s (as its owner or root) to "
+        "return to the default.",
+        default,
+        problem,
+        _owner(default),
+        fresh,
+        default,
+    )
+    cfg.shm_root = fresh
+    _collect_abandoned_roots(default, fresh, cfg.inactive_ttl_s)
+
+
+def _owner(path: str) -> str:
+    import pwd
 
     try:
-        shm_subdir(cfg.shm_root)
-    except UnsafePathError as e:
-        raise ValueError(f"artifact shm_root: {e}") from None
-    routed_experts_row_spec(vllm_config)  # the dtype fits the experts
+        uid = os.stat(path, follow_symlinks=False).st_uid
+    except OSError:
+        return "unknown"
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _collect_abandoned_roots(default: str, fresh: str, inactive_ttl_s: float) -> None:
+    """Stores of crashed engines in earlier fresh roots (``<default>-<hex>``)
+    would stay forever, as no later engine uses those roots: collect the
+    stale ones (dead or expired writers only; live stores and anything not
+    ours are left alone). The empty roots themselves stay: one may belong to
+    an engine that has not started its writer yet."""
+    import re
+
+    from vllm.distributed.artifact_connector.shm import collect_stale_stores
+
+    parent, stem = os.path.split(os.path.realpath(default))
+    pattern = re.compile(re.escape(stem) + r"-[0-9a-f]{16}\Z")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(parent, name)
+        if pattern.match(name) is None or path == fresh:
+            continue
+        try:
+            collect_stale_stores(path, inactive_ttl_s)
+        except (RuntimeError, OSError) as e:  # unsafe: not ours, left alone
+            logger.debug("artifact store: not collecting %s: %s", path, e)
 
 
 def _kv_connectors(kv) -> list[tuple[str, str | None]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
 from collections.abc import Sequence
 
@@ -159,6 +160,68 @@ def ensure_private_shm_dir(
     finally:
         os.close(parent_fd)
     return real
+
+
+def check_private_shm_dir(
+    root: str, *, error: type[Exception] = UnsafePathError
+) -> bool:
+    """Check ``root`` under ``/dev/shm`` as :func:`ensure_private_shm_dir`
+    would, creating nothing: every component that exists must be a
+    directory, not a symlink, owned by us, with no group/other access.
+    Returns whether ``root`` exists."""
+    real = shm_subdir(root, error=error)
+    base = os.path.realpath(SHM_BASE)
+    parent_fd = os.open(base, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    try:
+        path = base
+        for part in os.path.relpath(real, base).split(os.sep):
+            path = os.path.join(path, part)
+            try:
+                st = os.stat(part, dir_fd=parent_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            if stat.S_ISLNK(st.st_mode):
+                raise error(f"{path!r} is a symlink; refusing it")
+            # From the entry itself: a directory of another user may not be
+            # openable at all.
+            check_owned(st, f"directory {path!r}", directory=True, error=error)
+            fd = open_private_dir(part, dir_fd=parent_fd, error=error)
+            os.close(parent_fd)
+            parent_fd = fd
+    finally:
+        os.close(parent_fd)
+    return True
+
+
+def make_private_shm_dir(
+    prefix: str, *, error: type[Exception] = UnsafePathError, attempts: int = 8
+) -> str:
+    """Create a new directory ``<prefix>-<16 random hex>`` (0700) in the
+    existing parent of ``prefix`` under ``/dev/shm``; never an existing one,
+    so nobody else can have prepared it. Returns its canonical path."""
+    # The parent's canonical form; ``prefix`` itself may be anything (the
+    # fresh directory replaces what is there).
+    parent, stem = os.path.split(os.path.normpath(prefix))
+    if not stem or stem in (".", ".."):
+        raise error(f"invalid shared-memory directory {prefix!r}")
+    if os.path.normpath(parent) == SHM_BASE:
+        parent = os.path.realpath(SHM_BASE)
+    else:
+        parent = shm_subdir(parent, error=error)
+    real = os.path.join(parent, stem)
+    parent_fd = os.open(parent, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+    try:
+        for _ in range(attempts):
+            name = f"{stem}-{secrets.token_hex(8)}"
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                continue
+            os.close(open_private_dir(name, dir_fd=parent_fd, error=error))
+            return os.path.join(parent, name)
+    finally:
+        os.close(parent_fd)
+    raise error(f"could not create a fresh directory {real}-<random> in {parent}")
 
 
 def write_all(

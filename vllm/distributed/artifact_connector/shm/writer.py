@@ -78,6 +78,18 @@ DEFAULT_CAPACITY_BYTES = 8 << 30
 DEFAULT_INACTIVE_TTL_S = 3600.0
 DEFAULT_COLLECT_INTERVAL_S = 300.0
 HEARTBEAT_INTERVAL_S = 10.0
+# Arenas are capacity / 16, clamped to [MIN_ARENA_BYTES, MAX_ARENA_BYTES].
+MIN_ARENA_BYTES = 64 << 10
+MAX_ARENA_BYTES = 64 << 20
+# The smallest store that keeps serving puts: a full active arena is evicted
+# only once the next one exists, so two arenas must fit next to the index
+# log and the writer record (the third arena's room). With exactly two
+# arenas the writer starts, but the first full arena stops every put.
+MIN_CAPACITY_BYTES = 3 * MIN_ARENA_BYTES
+# A store whose writer cannot be checked is judged by its heartbeat: a TTL
+# must outlast a few heartbeat intervals, or a live writer's store (another
+# pid namespace, or one not yet holding its writer record) is collected.
+MIN_INACTIVE_TTL_S = 3 * HEARTBEAT_INTERVAL_S
 # How often upkeep checks that the store's files are still in place.
 STORE_CHECK_INTERVAL_S = 0.1
 # How often a store that cannot be recreated says so again in the log.
@@ -87,6 +99,11 @@ _COMPACT_RATIO = 4
 _COMPACT_MIN_BYTES = 1 << 20
 # The index records of an eviction that moves nothing: one RETIRE batch.
 _EVICT_RECORD_BYTES = log.BATCH_HEADER.size + log.RECORD_NBYTES
+
+
+def default_arena_bytes(capacity_bytes: int) -> int:
+    """The arena size of a store of ``capacity_bytes``."""
+    return min(MAX_ARENA_BYTES, max(MIN_ARENA_BYTES, capacity_bytes // 16))
 
 
 def _io_error(e: OSError, what: str) -> Exception:
@@ -116,7 +133,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         """Create the store ``namespace`` (32 hex characters, fresh) under
         ``root`` (a directory under ``/dev/shm``, created 0700). Stale
         stores of other writers under ``root`` are collected first.
-        ``arena_bytes`` defaults to capacity / 16, clamped to [64 KiB, 64 MiB]."""
+        ``arena_bytes`` defaults to :func:`default_arena_bytes`."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if inactive_ttl_s < 0:
@@ -135,7 +152,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._namespace = namespace
         self._capacity = capacity_bytes
         if arena_bytes is None:
-            arena_bytes = min(64 << 20, max(64 << 10, capacity_bytes // 16))
+            arena_bytes = default_arena_bytes(capacity_bytes)
         self._arena_bytes = align(arena_bytes)
         if self._arena_bytes <= 0 or 2 * self._arena_bytes > capacity_bytes:
             raise ValueError(
@@ -196,7 +213,8 @@ class ShmStoreWriter(ObjectStoreWriter):
             f"and a spare arena of {self._arena_bytes / (1 << 20):.1f} MiB). Give "
             "/dev/shm more room (e.g. `docker run --shm-size=16g`, or a larger "
             "memory-backed /dev/shm volume), or lower --artifact-config "
-            "capacity_bytes (arenas are capacity/16, from 64 KiB to 64 MiB)."
+            f"capacity_bytes (arenas are capacity/16, from {MIN_ARENA_BYTES >> 10} "
+            f"KiB to {MAX_ARENA_BYTES >> 20} MiB)."
         )
 
     def _create_store(self) -> None:
