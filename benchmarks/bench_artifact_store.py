@@ -63,7 +63,6 @@ from vllm.distributed.artifact_connector.protocol import (
 from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
 from vllm.distributed.artifact_connector.request_core import (
     KeySpace,
-    RowSpec,
     read_rows,
 )
 from vllm.distributed.artifact_connector.shm import (
@@ -72,6 +71,7 @@ from vllm.distributed.artifact_connector.shm import (
     make_namespace,
 )
 from vllm.distributed.artifact_connector.store import checksum
+from vllm.utils.routed_experts_rows import RowSpec
 
 LAYERS, EXPERTS, TOP_K, B = 48, 128, 8, 16
 SPEC = RowSpec.for_experts(LAYERS, TOP_K, EXPERTS)

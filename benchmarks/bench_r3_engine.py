@@ -179,21 +179,14 @@ if os.environ.get("BENCH_R3_TIMERS"):
     def _finished(args):
         return [args[1].request_id, args[1].num_tokens]
 
-    def _patch_connector(mod):
+    def _patch_scheduler(mod):
         s = mod.ArtifactSchedulerConnector
         _wrap(s, "build_meta", "sched.build_meta", flush=True)
         _wrap(s, "update_from_output", "sched.update_from_output", _rows_acked)
         _wrap(s, "on_finish", "sched.on_finish", _finished)
         _wrap(s, "on_preempt", "sched.on_preempt")
-        _wrap(s, "hold", "sched.hold")
         _wrap(s, "has_pending", "sched.has_pending")
         _wrap(s, "owes_output", "sched.owes_output")
-        w = mod.ArtifactWorkerConnector
-        _wrap(w, "begin_step", "worker.begin_step", flush=True)
-        _wrap(w, "prepare_step", "worker.prepare_step")
-        _wrap(w, "process", "worker.process")
-        _wrap(w, "no_forward", "worker.no_forward")
-        _wrap(mod.PendingArtifactStep, "enqueue_cpu_copy", "worker.enqueue_cpu_copy")
         orig_read = mod.read_rows
 
         def read_rows(*args, **kwargs):
@@ -204,16 +197,27 @@ if os.environ.get("BENCH_R3_TIMERS"):
             return out
 
         mod.read_rows = read_rows
-        for cls in (s, w):
-            orig_close = cls.close
+        _flush_on_close(s)
 
-            def close(self, _orig=orig_close):
-                try:
-                    return _orig(self)
-                finally:
-                    _flush()
+    def _patch_worker(mod):
+        w = mod.ArtifactWorkerConnector
+        _wrap(w, "begin_step", "worker.begin_step", flush=True)
+        _wrap(w, "prepare_step", "worker.prepare_step")
+        _wrap(w, "process", "worker.process")
+        _wrap(w, "no_forward", "worker.no_forward")
+        _wrap(mod.PendingArtifactStep, "enqueue_cpu_copy", "worker.enqueue_cpu_copy")
+        _flush_on_close(w)
 
-            cls.close = close
+    def _flush_on_close(cls):
+        orig_close = cls.close
+
+        def close(self, _orig=orig_close):
+            try:
+                return _orig(self)
+            finally:
+                _flush()
+
+        cls.close = close
 
     def _patch_publisher(mod):
         p = mod.ArtifactPublisher
@@ -221,7 +225,8 @@ if os.environ.get("BENCH_R3_TIMERS"):
         _wrap(p, "_upkeep", "thread._upkeep", thread_cpu=True)
 
     _TARGETS = {
-        "vllm.distributed.artifact_connector.connector": _patch_connector,
+        "vllm.distributed.artifact_connector.scheduler": _patch_scheduler,
+        "vllm.distributed.artifact_connector.worker": _patch_worker,
         "vllm.distributed.artifact_connector.publisher": _patch_publisher,
     }
 

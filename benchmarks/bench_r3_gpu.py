@@ -110,16 +110,16 @@ _TIMED: dict[str, list[float]] = {}  # method -> [seconds, calls]
 
 def _time_connector() -> None:
     """Accumulate the wall time of the connector's per-step methods."""
-    from vllm.distributed.artifact_connector import connector as mod
+    from vllm.distributed.artifact_connector import scheduler, worker
 
     methods = {
-        mod.ArtifactSchedulerConnector: (
-            "build_meta", "update_from_output", "on_finish", "hold", "has_pending",
+        scheduler.ArtifactSchedulerConnector: (
+            "build_meta", "update_from_output", "on_finish", "has_pending",
         ),
-        mod.ArtifactWorkerConnector: (
+        worker.ArtifactWorkerConnector: (
             "begin_step", "prepare_step", "process", "no_forward",
         ),
-        mod.PendingArtifactStep: ("enqueue_cpu_copy",),
+        worker.PendingArtifactStep: ("enqueue_cpu_copy",),
     }  # fmt: skip
     for cls, names in methods.items():
         for name in names:

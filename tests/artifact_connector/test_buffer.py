@@ -31,7 +31,7 @@ from vllm.distributed.artifact_connector.protocol import (
     ObjectRefs,
     Release,
 )
-from vllm.distributed.artifact_connector.request_core import RowSpec
+from vllm.utils.routed_experts_rows import RowSpec
 
 SPEC = RowSpec(2, 2)
 
@@ -100,6 +100,9 @@ def test_slab_exhaustion_is_typed_and_pages_come_back(monkeypatch):
 
 
 def test_slab_is_sized_from_the_scheduler_limits():
+    """One partial page per running request and one per attempt that waits
+    with its rows (preempted, finalizing, draining: defect m), plus the
+    pages the steps in flight complete."""
     slab = RowSlab.for_scheduler(
         RowSpec(48, 8),
         16,
@@ -107,7 +110,7 @@ def test_slab_is_sized_from_the_scheduler_limits():
         max_num_batched_tokens=8192,
         steps_in_flight=3,
     )
-    assert slab.num_pages == 256 + 3 * (8192 // 16 + 256)
+    assert slab.num_pages == 2 * 256 + 3 * (8192 // 16 + 256)
     assert slab.nbytes == slab.num_pages * 16 * 48 * 8
 
 

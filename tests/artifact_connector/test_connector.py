@@ -17,10 +17,6 @@ import pytest
 import torch
 
 from vllm.distributed.artifact_connector.buffer import RowSlab
-from vllm.distributed.artifact_connector.connector import (
-    ArtifactWorkerConnector,
-    PendingArtifactStep,
-)
 from vllm.distributed.artifact_connector.protocol import (
     ArtifactSchedulerMeta,
     AttemptStart,
@@ -32,7 +28,6 @@ from vllm.distributed.artifact_connector.protocol import (
 from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
 from vllm.distributed.artifact_connector.request_core import (
     KeySpace,
-    RowSpec,
     read_rows,
 )
 from vllm.distributed.artifact_connector.shm import (
@@ -40,6 +35,11 @@ from vllm.distributed.artifact_connector.shm import (
     ShmStoreWriter,
     make_namespace,
 )
+from vllm.distributed.artifact_connector.worker import (
+    ArtifactWorkerConnector,
+    PendingArtifactStep,
+)
+from vllm.utils.routed_experts_rows import RowSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
 SPEC = RowSpec(3, 2)
@@ -69,12 +69,18 @@ def env(shm_root):
     conn.close()
 
 
-def step(conn, attempts, starts, scheduled, rows, rejected):
+def step(conn, attempts, starts, scheduled, rows, rejected, version="default"):
     """One model step: ``rows`` holds every scheduled token's row (drafts
-    included), ``rejected`` the drafts the sampler rejected per request."""
+    included), ``rejected`` the drafts the sampler rejected per request;
+    ``version``: the weight version when the step was prepared."""
     qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
     pending = PendingArtifactStep(
-        conn, attempts, np.array(starts, np.int32), qsl, torch.from_numpy(rows)
+        conn,
+        attempts,
+        version,
+        np.array(starts, np.int32),
+        qsl,
+        torch.from_numpy(rows),
     )
     pending.enqueue_cpu_copy(np.array(rejected, np.int32))
     return pending.process()

@@ -17,10 +17,6 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm.distributed.artifact_connector.buffer import RowSlab
-from vllm.distributed.artifact_connector.connector import (
-    ArtifactWorkerConnector,
-    PendingArtifactStep,
-)
 from vllm.distributed.artifact_connector.metrics import (
     KNOWN_ERRORS,
     ArtifactProm,
@@ -35,8 +31,13 @@ from vllm.distributed.artifact_connector.protocol import (
     Release,
 )
 from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
-from vllm.distributed.artifact_connector.request_core import KeySpace, RowSpec
+from vllm.distributed.artifact_connector.request_core import KeySpace
 from vllm.distributed.artifact_connector.shm import ShmStoreWriter, make_namespace
+from vllm.distributed.artifact_connector.worker import (
+    ArtifactWorkerConnector,
+    PendingArtifactStep,
+)
+from vllm.utils.routed_experts_rows import RowSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
 SPEC = RowSpec(3, 2)
@@ -194,6 +195,7 @@ def _step(conn, req, start, n):
     pending = PendingArtifactStep(
         conn,
         [(req, 1)],
+        "default",
         np.array([start], np.int32),
         np.array([0, n], np.int32),
         torch.from_numpy(rows),

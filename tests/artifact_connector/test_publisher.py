@@ -26,7 +26,6 @@ from vllm.distributed.artifact_connector.publisher import (
 )
 from vllm.distributed.artifact_connector.request_core import (
     KeySpace,
-    RowSpec,
     read_rows,
 )
 from vllm.distributed.artifact_connector.shm import (
@@ -35,6 +34,7 @@ from vllm.distributed.artifact_connector.shm import (
     make_namespace,
 )
 from vllm.distributed.artifact_connector.store import ArtifactError
+from vllm.utils.routed_experts_rows import RowSpec
 
 SPEC = RowSpec(3, 2)
 B = 4
@@ -162,19 +162,37 @@ def test_full_life_cycle_with_a_sibling_prefix_hit_and_prompt_start(h):
     assert h.writer.stats().retained_keys == 0
 
 
-def test_waiting_for_specific_acknowledgements(h):
+def test_waiting_for_the_answers_of_handed_finalizes(h):
     h.pub.apply(
         ArtifactSchedulerMeta(
             starts=(AttemptStart("r", 0, 0),),
             finalizes=(Finalize("r", 0, 2, b"t"),),
         )
     )
-    assert not h.pub.wait_for_results([("r", 0)], 0.05)  # no rows yet
+    h.pub.flush()
+    assert h.pub.owes_answers()  # the finalize waits for its rows
     h.pub.write_step([("r", 0)], [0], [2], routes(1, 2))
     h.pub.flush()
-    assert h.pub.wait_for_results([("r", 0)], 10)
+    assert h.pub.wait_for_answers(10)
     (ack,) = h.pub.report().acks
     assert ack.req_id == "r" and ack.num_rows == 2
+    assert not h.pub.owes_answers()
+
+
+def test_a_finalize_after_a_failure_leaves_nothing_to_wait_for(h):
+    """Defect g: a finalize sent before the scheduler saw the attempt's
+    failure must not leave the worker waiting on every later empty step
+    (the old worker connector kept it in its awaited set forever)."""
+    h.step(ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)))
+    # Rows with a gap fail the attempt on the engine side.
+    h.pub.write_step([("r", 0)], [3], [1], routes(1, 1))
+    h.step()
+    assert h.failures["r"].error_type == "RowGapError"
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("r", 0, 4, None),)))
+    assert not h.pub.owes_answers()
+    assert h.pub.stats()["attempts"] == 0
+    h.step(ArtifactSchedulerMeta(releases=(Release("r", 0),)))
+    assert h.writer.stats().retained_keys == 0
 
 
 def test_captured_rows_of_the_wrong_format_are_refused(h):

@@ -15,7 +15,6 @@ from vllm.distributed.artifact_connector.request_core import (
     CoverageError,
     EnvelopeError,
     KeySpace,
-    RowSpec,
     check_coverage,
     encode_objects,
     read_rows,
@@ -32,6 +31,7 @@ from vllm.distributed.artifact_connector.store import (
     checksum,
 )
 from vllm.utils.hashing import sha256
+from vllm.utils.routed_experts_rows import RowSpec
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 
 init_none_hash(sha256)
@@ -109,7 +109,9 @@ def _publish(writer, rows, block, version="v1", start=0):
         for c, p in zip(cuts, pieces)
     ]
     starts = [start + c for c in cuts]
-    lengths = np.array([SPEC.object_nbytes(len(p)) for p in pieces], np.int64)
+    lengths = np.array(
+        [len(p) * SPEC.row_nbytes + ENVELOPE_NBYTES for p in pieces], np.int64
+    )
     res = writer.put_batch(
         keys,
         lengths,
@@ -210,7 +212,9 @@ def test_a_changed_byte_fails_the_checksum(store, shm_root):
     truth = np.ones((32, 3, 2), np.int16)
     refs = _publish(w, truth, 16)
     out = np.full((32, 3, 2), 7, np.int16)
-    _flip_byte(w, SPEC.object_nbytes(16) + 64 + 3)  # inside object 1's payload
+    _flip_byte(
+        w, (16 * SPEC.row_nbytes + ENVELOPE_NBYTES) + 64 + 3
+    )  # inside object 1's payload
     with pytest.raises(ChecksumMismatchError):
         read_rows(r, SPEC, table(refs), 32, out=out)
     assert (out == 7).all()
@@ -219,7 +223,7 @@ def test_a_changed_byte_fails_the_checksum(store, shm_root):
 def test_encode_writes_a_self_describing_envelope():
     rows = np.arange(2 * 6, dtype=np.int16).reshape(2, 3, 2)
     key = KS.key("v1", b"h", 2, tail=True)
-    buf = np.zeros(SPEC.object_nbytes(2), np.uint8)
+    buf = np.zeros((2 * SPEC.row_nbytes + ENVELOPE_NBYTES), np.uint8)
     (whole,) = encode_objects(
         SPEC, [key], [30], [rows.data.cast("B")], buf, tails=[True]
     )

@@ -20,10 +20,10 @@ from vllm.distributed.artifact_connector.shm.writer import (
     MIN_INACTIVE_TTL_S,
 )
 from vllm.logger import init_logger
+from vllm.utils.routed_experts_rows import RowSpec
 
 if TYPE_CHECKING:
     from vllm.config.vllm import VllmConfig
-    from vllm.distributed.artifact_connector.request_core import RowSpec
     from vllm.engine.arg_utils import EngineArgs
 
 logger = init_logger(__name__)
@@ -130,10 +130,8 @@ def translate_routed_experts_args(args: "EngineArgs") -> None:
     args.aux_output_config = AuxOutputConfig()
 
 
-def routed_experts_row_spec(vllm_config: "VllmConfig") -> "RowSpec":
+def routed_experts_row_spec(vllm_config: "VllmConfig") -> RowSpec:
     """Shape and dtype of one returned row: ``[num_hidden_layers, top_k]``."""
-    from vllm.distributed.artifact_connector.request_core import RowSpec
-
     model = vllm_config.model_config
     num_layers = model.get_total_num_hidden_layers()
     top_k = model.get_num_experts_per_tok()

@@ -15,14 +15,14 @@ import io
 import numpy as np
 import pybase64
 
+from vllm.utils.routed_experts_rows import ROUTED_EXPERTS_DTYPE_CODES
+
 
 class RoutedExpertsDecodeError(ValueError):
     """The field is not a base64-encoded ``.npy`` array of routed experts."""
 
 
-# uint8 up to 256 experts and int16 above (the fork's default), uint16 (the
-# base's choice above 256) or int32 (both on request).
-ROUTED_EXPERTS_DTYPES = (np.uint8, np.int16, np.uint16, np.int32)
+ROUTED_EXPERTS_DTYPES = tuple(ROUTED_EXPERTS_DTYPE_CODES)
 
 
 def decode_routed_experts(b64: str) -> np.ndarray:

@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from vllm.distributed.artifact_connector.request_core import RowSpec
 from vllm.distributed.artifact_connector.store import ArtifactError
+from vllm.utils.routed_experts_rows import RowSpec
 
 
 class RowBufferError(ArtifactError):
@@ -75,11 +75,14 @@ class RowSlab:
         steps_in_flight: int,
     ) -> RowSlab:
         """Sized for the worst case: each running request holds one partial
-        page, and each step in flight or queued for publication completes at
+        page, and as many again for the attempts that wait with theirs (a
+        preempted attempt until the resumed one has recomputed its rows, a
+        finalize or a discard's drain until the rows of steps in flight
+        arrive); each step in flight or queued for publication completes at
         most ``max_num_batched_tokens / B + max_num_seqs`` pages (a request's
         rows of one step can straddle one extra page)."""
         per_step = -(-max_num_batched_tokens // block_size) + max_num_seqs
-        return cls(spec, block_size, max_num_seqs + steps_in_flight * per_step)
+        return cls(spec, block_size, 2 * max_num_seqs + steps_in_flight * per_step)
 
     @property
     def num_pages(self) -> int:

@@ -1,27 +1,149 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Frontend side of routed experts: a stop string found by the detokenizer.
+"""The frontend side of routed experts (AsyncLLM / LLMEngine process).
 
-The engine does not know about stop strings, so it keeps generating until
-the frontend's abort arrives; its final output then carries routes for
-every token it executed. The frontend keeps the request until that output
-arrives, drops the tokens computed past the stop, and cuts the routes to
-the tokens it returns."""
+Routes come with the engine's terminal output only. Two ends are decided in
+the frontend, and both keep the request until that output arrives:
+
+* a stop string found by the detokenizer: the engine does not know stop
+  strings and keeps generating until the frontend's abort reaches it;
+* an explicit abort whose caller waits (``AsyncLLM.abort``, ``POST
+  /abort_requests``, the token-in/token-out abort): the caller gets the
+  tokens it was sent and the routes of exactly those.
+
+The engine's terminal output then carries routes for every token it
+executed; the tokens computed past the frontend's end are dropped and the
+routes cut to the tokens returned (:func:`finish_pending`). An abort whose
+caller is gone (a client disconnect) is sent to the engine as such
+(:func:`abort_items`): nothing is read for it.
+
+Also here: :func:`remove_dead_stores`, run once the engine processes are
+stopped.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.artifact_connector.protocol import ACK_TIMEOUT_S
+from vllm.distributed.artifact_connector.store import ArtifactError
+from vllm.logger import init_logger
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.engine import EngineCoreOutput
-    from vllm.v1.engine.output_processor import RequestState
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+
+logger = init_logger(__name__)
+
+# How long an aborted request waits for the engine's terminal output: past
+# the engine's own acknowledgement timeout, which answers with a reason.
+ABORT_WAIT_S = ACK_TIMEOUT_S + 10.0
 
 
-def finish_pending_stop(req_state: RequestState, output: EngineCoreOutput) -> bool:
-    """For a request waiting for its routes after a stop string: returns
-    whether ``output`` is the final one, rewritten into the stop-string
-    finish (no tokens, routes cut to the returned tokens); earlier outputs
-    only count the tokens past the stop."""
+# Why a streaming-input request is refused (each input chunk would start a
+# new attempt; their routes are not stitched together).
+STREAMING_INPUT_UNSUPPORTED = (
+    "streaming-input requests (an async generator of StreamingInput as the "
+    "prompt) are not supported with --enable-routed-experts: send each turn "
+    "as its own request (its prompt holds the earlier turns; their routes "
+    "come from the prefix cache)"
+)
+
+
+class ArtifactAbortTimeout(ArtifactError):
+    """An aborted request's terminal output did not come from the engine."""
+
+
+# ---------------------------------------------------------------- aborts
+def abort_items(req_ids: Iterable[str], caller_waits: bool) -> list[Any]:
+    """The ABORT payload for the engine: a request id where a caller waits
+    for the routes, ``[request id, False]`` where it is gone."""
+    if caller_waits:
+        return list(req_ids)
+    return [[req_id, False] for req_id in req_ids]
+
+
+def abort_item_id(item: Any) -> str:
+    """The request id of one :func:`abort_items` entry."""
+    return item if isinstance(item, str) else item[0]
+
+
+def split_abort_items(items: Iterable[Any]) -> tuple[list[str], list[str]]:
+    """(every request id, the ids whose caller is gone)."""
+    ids, gone = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids.append(item)
+        else:
+            ids.append(item[0])
+            gone.append(item[0])
+    return ids, gone
+
+
+def hold_abort(req_state: RequestState) -> bool:
+    """An explicit abort of a request that returned tokens: keep it until
+    the engine's terminal output brings the routes (returns True), with a
+    deadline. A request aborted before its first token has no routes to
+    wait for (False)."""
+    if req_state.pending_abort_deadline is not None:
+        return True  # aborted twice
+    if req_state.pending_stop is not None:
+        return True  # already ends at its stop string
+    detok = req_state.detokenizer
+    if detok is None or detok.num_output_tokens() == 0:
+        req_state.routed_experts_error = (
+            "RequestAbortedError: aborted before its first token; no routes "
+            "were computed for it"
+        )
+        return False
+    req_state.pending_abort_deadline = time.monotonic() + ABORT_WAIT_S
+    return True
+
+
+def expire_pending_aborts(processor: OutputProcessor, req_ids: list[str]) -> None:
+    """Finish the requests among ``req_ids`` whose abort still waits for the
+    engine past its deadline, without routes and saying why (AsyncLLM calls
+    this once the deadline has passed)."""
+    from vllm.v1.engine import FinishReason
+
+    now = time.monotonic()
+    for req_id in req_ids:
+        req_state = processor.request_states.get(req_id)
+        deadline = None if req_state is None else req_state.pending_abort_deadline
+        if req_state is None or deadline is None or now < deadline:
+            continue
+        error = ArtifactAbortTimeout(
+            f"the engine sent no terminal output within {ABORT_WAIT_S:g} s of "
+            "the abort, so the aborted request carries no routes"
+        )
+        logger.error("request %s: %s", req_id, error)
+        req_state.pending_abort_deadline = None
+        req_state.routed_experts_error = f"{type(error).__name__}: {error}"
+        output = req_state.make_request_output(
+            [], None, FinishReason.ABORT, None, None, None
+        )
+        if output is not None and req_state.queue is not None:
+            req_state.queue.put(output)
+        processor.lora_states.request_finished(req_id, req_state.lora_name)
+        processor._finish_request(req_state)
+
+
+def is_pending(req_state: RequestState) -> bool:
+    return (
+        req_state.pending_stop is not None
+        or req_state.pending_abort_deadline is not None
+    )
+
+
+def finish_pending(req_state: RequestState, output: EngineCoreOutput) -> bool:
+    """For a request the frontend ended (stop string or abort) that waits
+    for its routes: returns whether ``output`` is the final one, rewritten
+    into the frontend's finish (no tokens, routes cut to the returned
+    tokens); earlier outputs only count the tokens past the end."""
     from vllm.v1.engine import FinishReason
 
     num_past = req_state.num_tokens_past_stop + len(output.new_token_ids)
@@ -31,7 +153,10 @@ def finish_pending_stop(req_state: RequestState, output: EngineCoreOutput) -> bo
     output.new_token_ids = []
     output.new_logprobs = None
     output.new_sampling_mask = None
-    if output.artifact_error is None:
+    if req_state.pending_stop is None:  # an abort, routes or not
+        output.finish_reason = FinishReason.ABORT
+        output.stop_reason = None
+    elif output.artifact_error is None:
         output.finish_reason = FinishReason.STOP
         output.stop_reason = req_state.pending_stop
     else:  # no routes: fail like any other finish whose routes failed
@@ -42,4 +167,40 @@ def finish_pending_stop(req_state: RequestState, output: EngineCoreOutput) -> bo
         keep = max(0, len(output.routed_experts) - num_past)
         output.routed_experts = output.routed_experts[:keep]
     req_state.pending_stop = None
+    req_state.pending_abort_deadline = None
     return True
+
+
+# ---------------------------------------------------------------- shutdown
+def remove_dead_stores(vllm_config: VllmConfig, wait_s: float = 5.0) -> None:
+    """Called by the frontend once its engine processes are stopped. A
+    shutdown may kill them before the worker removes its store (``vllm
+    serve`` on SIGINT does): remove the stores under the root whose writer is
+    proven dead, waiting up to ``wait_s`` for this engine's killed workers to
+    be gone, and the root when that leaves it empty. Live engines' stores are
+    never touched."""
+    import os
+
+    from vllm.distributed.artifact_connector.shm import collect_stale_stores
+
+    cfg = vllm_config.artifact_config
+    if not cfg.enable_routed_experts:
+        return
+    ours = {
+        cfg.namespace(rank)
+        for rank in range(vllm_config.parallel_config.data_parallel_size)
+    }
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            report = collect_stale_stores(cfg.shm_root, cfg.inactive_ttl_s)
+        except (ArtifactError, OSError) as e:
+            logger.warning("could not clean up the artifact store root: %s", e)
+            return
+        if report.removed:
+            logger.info("removed artifact stores of dead engines: %s", report.removed)
+        if not ours & set(report.kept_alive) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # a killed worker is still exiting
+    with contextlib.suppress(OSError):
+        os.rmdir(cfg.shm_root)

@@ -26,6 +26,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# A request attempt: the request id and the attempt number (1, 2, ...; a
+# preempted request resumes as the next attempt).
+AttemptId = tuple[str, int]
+
+# How long the scheduler waits for a finish's acknowledgement before it
+# fails the request instead of hanging the engine.
+ACK_TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class AttemptStart:
@@ -74,11 +82,16 @@ class Abort(Finalize):
 
 @dataclass(frozen=True, slots=True)
 class Discard:
-    """The attempt ends without output (preemption): drop its unpublished
-    rows and release what it retained. Its published objects stay."""
+    """The attempt ends without output (preempted and recomputed, aborted
+    before its first token or by a caller that is gone, failed). It drains:
+    once its rows up to ``num_rows`` (the tokens it computed) have arrived,
+    or the finalize wait has passed, it publishes its full blocks whose
+    hashes are known (their KV stays cached; later prefix hits need their
+    routes), drops the rest and releases what it retained."""
 
     req_id: str
     attempt: int
+    num_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,14 @@ Retention: an attempt retains the objects of its prefix hit when it starts
 publishes, until the scheduler releases it after reading the
 acknowledgement, or until it is discarded or fails.
 
+State: one table of attempts (:class:`_Attempt`), owned by the engine side
+under its one lock; the table also answers which attempt a request's rows
+belong to (:meth:`~ArtifactPublisher.current_attempts`). An attempt leaves
+the table when it is finalised, drained or failed; the work items that
+still refer to it keep the record alive for the publication thread, which
+alone writes its thread-side fields (the prefix keys and the references it
+published), so nothing outlives the attempt's last work item.
+
 A failure in the thread fails exactly the attempts of the work item it hit
 (:class:`~.protocol.AttemptFailed` with the error's type and message);
 nothing is retained for them afterwards and none of their later work runs.
@@ -48,6 +56,7 @@ from vllm.distributed.artifact_connector.protocol import (
     ArtifactSchedulerMeta,
     ArtifactWorkerReport,
     AttemptFailed,
+    AttemptId,
     CommitProgress,
     Finalize,
     FinalizeAck,
@@ -57,7 +66,6 @@ from vllm.distributed.artifact_connector.request_core import (
     ENVELOPE_NBYTES,
     CoverageError,
     KeySpace,
-    RowSpec,
     check_coverage,
     encode_objects,
 )
@@ -67,10 +75,12 @@ from vllm.distributed.artifact_connector.store import (
     ObjectStoreWriter,
 )
 from vllm.logger import init_logger
+from vllm.utils.routed_experts_rows import RowSpec
 
 logger = init_logger(__name__)
 
-AttemptId = tuple[str, int]
+# Weight versions remembered to name a prefix miss's cause (a mismatch).
+MAX_VERSIONS_SEEN = 16
 
 
 class WeightVersionMismatchError(ArtifactError):
@@ -101,20 +111,37 @@ def _owner(aid: AttemptId) -> str:
     return f"{aid[0]}#{aid[1]}"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Attempt:
-    """Engine-thread state of one attempt."""
+    """One attempt. Engine side (under the engine lock): its unpublished
+    rows, the block hashes not used yet, how it ends, where its last step's
+    rows ended. Publication thread only: what it retains and published."""
 
+    aid: AttemptId
     rows: AttemptRows
     hashes: dict[int, bytes] = field(default_factory=dict)
+    # A finalize (acknowledgement owed) or a discard's drain: ends once the
+    # rows up to ``ends_at`` arrived, or at the deadline.
     finalize: Finalize | None = None
-    finalize_deadline: float = 0.0
+    drain_rows: int | None = None
+    deadline: float = 0.0
+    # (rows end, scheduled end) of its last step: a step placed after the
+    # previous step's rejected drafts is moved back to the rows end.
+    last_rows_end: int = -1
+    last_scheduled_end: int = -1
+    # Publication thread.
+    prefix_version: str = ""
+    prefix_hashes: tuple[bytes, ...] = ()
+    prefix_keys: list[str] = field(default_factory=list)
+    # (key, first row, rows, checksum, weight version) of each own object.
+    own_refs: list[tuple[str, int, int, int, str]] = field(default_factory=list)
+    failed: bool = False
 
 
 class _Object(NamedTuple):
     """One object to publish: rows of page ``page`` of the slab."""
 
-    aid: AttemptId
+    att: _Attempt
     start: int
     num_rows: int
     page: int
@@ -128,9 +155,9 @@ class _Work:
     """Everything one step hands to the publication thread, in the order it
     runs: retains, one put of all objects, acknowledgements, releases."""
 
-    starts: list[tuple[AttemptId, str, tuple[bytes, ...]]] = field(default_factory=list)
+    starts: list[_Attempt] = field(default_factory=list)
     objects: list[_Object] = field(default_factory=list)
-    finalizes: list[Finalize] = field(default_factory=list)
+    finalizes: list[tuple[_Attempt, Finalize]] = field(default_factory=list)
     releases: list[AttemptId] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -161,10 +188,16 @@ class ArtifactPublisher:
         self._versions_seen = [weight_version]
         self._finalize_wait_s = finalize_wait_s
         self._idle_upkeep_s = idle_upkeep_s
-        # Engine thread.
+        # Engine side: the attempt table, each request's newest attempt,
+        # attempts to look at in the next flush.
         self._attempts: dict[AttemptId, _Attempt] = {}
+        self._current: dict[str, int] = {}
         self._dirty: set[AttemptId] = set()
         self._work = _Work()
+        # Finalizes handed to the thread (engine side) and answered by it
+        # (thread): an empty step waits until they are equal.
+        self._finalizes_handed = 0
+        self._finalizes_answered = 0
         # Produced by both threads, read by report(), guarded by the condition.
         self._results: collections.deque[
             CommitProgress | FinalizeAck | AttemptFailed
@@ -172,12 +205,6 @@ class ArtifactPublisher:
         self._results_cv = threading.Condition()
         # See _engine_side.
         self._engine_lock = threading.RLock()
-        # Publication thread.
-        # Per attempt: (key, first row, rows, checksum, weight version).
-        self._own_refs: dict[AttemptId, list[tuple[str, int, int, int, str]]] = {}
-        # Per attempt: the prefix hit's weight version, block hashes and keys.
-        self._prefix: dict[AttemptId, tuple[str, tuple[bytes, ...], list[str]]] = {}
-        self._failed: set[AttemptId] = set()
         # Work items, wait_idle's markers (events) and the stop sentinel; the
         # semaphore bounds the work items (back-pressure).
         self._queue: queue.SimpleQueue[_Work | threading.Event | None] = (
@@ -205,6 +232,14 @@ class ArtifactPublisher:
         self._weight_version = version
         if version not in self._versions_seen:
             self._versions_seen.append(version)
+            del self._versions_seen[:-MAX_VERSIONS_SEEN]
+
+    @_engine_side
+    def current_attempts(self, req_ids: list[str]) -> list[AttemptId]:
+        """The attempt each request's rows of a step prepared now belong to
+        (``-1``: none, the rows are ignored)."""
+        current = self._current.get
+        return [(r, current(r, -1)) for r in req_ids]
 
     @_engine_side
     def apply(self, meta: ArtifactSchedulerMeta) -> None:
@@ -217,7 +252,11 @@ class ArtifactPublisher:
             old = self._attempts.pop(aid, None)
             if old is not None:  # a repeated start replaces the attempt
                 old.rows.drop()
-            self._attempts[aid] = _Attempt(AttemptRows(self.slab, s.cached_rows))
+            att = _Attempt(aid, AttemptRows(self.slab, s.cached_rows))
+            att.prefix_version = self._weight_version
+            att.prefix_hashes = s.prefix_hashes
+            self._attempts[aid] = att
+            self._current[s.req_id] = s.attempt
             if len(s.prefix_hashes) * self.block_size != s.cached_rows:
                 self._fail_here(
                     aid,
@@ -227,27 +266,33 @@ class ArtifactPublisher:
                     ),
                 )
                 continue
-            work.starts.append((aid, self._weight_version, s.prefix_hashes))
+            work.starts.append(att)
+        attempts_get = self._attempts.get
         for h in meta.hashes:
-            att = self._attempts.get((h.req_id, h.attempt))
-            if att is not None:
+            known = attempts_get((h.req_id, h.attempt))
+            if known is not None:
                 for i, bh in enumerate(h.hashes):
-                    att.hashes[h.first_block + i] = bh
-                self._dirty.add((h.req_id, h.attempt))
+                    known.hashes[h.first_block + i] = bh
+                self._dirty.add(known.aid)
+        deadline = time.monotonic() + self._finalize_wait_s
         for d in meta.discards:
             aid = (d.req_id, d.attempt)
-            att = self._attempts.pop(aid, None)
-            if att is not None:
-                att.rows.drop()
-            self._dirty.discard(aid)
-            work.releases.append(aid)
+            known = attempts_get(aid)
+            if known is None:  # failed, or never started here
+                work.releases.append(aid)
+                continue
+            known.drain_rows = d.num_rows
+            known.deadline = deadline
+            self._dirty.add(aid)
         for f in meta.finalizes:
-            aid = (f.req_id, f.attempt)
-            att = self._attempts.get(aid)
-            if att is not None:
-                att.finalize = f
-                att.finalize_deadline = time.monotonic() + self._finalize_wait_s
-                self._dirty.add(aid)
+            # An attempt that is not here failed; the scheduler has its
+            # failure report (or gets it with this step's report).
+            known = attempts_get((f.req_id, f.attempt))
+            if known is not None:
+                known.finalize = f
+                known.drain_rows = None
+                known.deadline = deadline
+                self._dirty.add(known.aid)
         for r in meta.releases:
             work.releases.append((r.req_id, r.attempt))
 
@@ -258,11 +303,16 @@ class ArtifactPublisher:
         starts: list[int],
         counts: list[int],
         rows: np.ndarray,
+        *,
+        scheduled: list[int] | None = None,
+        weight_version: str | None = None,
     ) -> None:
         """One step's captured rows: ``rows`` (``[sum(counts), L, K]``) holds
         ``counts[i]`` rows for tokens ``[starts[i], starts[i] + counts[i])``
-        of ``attempts[i]``, in that order. Rows of unknown (finished,
-        failed) attempts are ignored."""
+        of ``attempts[i]``, in that order; ``scheduled[i] >= counts[i]`` were
+        scheduled (the rest were rejected drafts). They were computed under
+        ``weight_version`` (the version when the step was prepared). Rows
+        of unknown (ended, failed) attempts are ignored."""
         spec = self.spec
         if rows.dtype != spec.dtype or rows.shape[1:] != spec.row_shape:
             raise ArtifactError(
@@ -277,14 +327,22 @@ class ArtifactPublisher:
         dst: list[int] = []  # single rows (decodes), copied in one gather
         src: list[int] = []
         bs = self.block_size
-        version = self._weight_version
+        version = weight_version or self._weight_version
         dirty = self._dirty
         lo = 0
         attempts_get = self._attempts.get
-        for aid, start, n in zip(attempts, starts, counts):
+        for i, (aid, start, n) in enumerate(zip(attempts, starts, counts)):
             att = attempts_get(aid)
             first, lo = lo, lo + n
-            if att is None or not n:
+            if att is None:
+                continue
+            if att.last_rows_end < start <= att.last_scheduled_end:
+                # The scheduler placed this step after the previous one's
+                # draft tokens, some of which were rejected.
+                start = att.last_rows_end
+            att.last_rows_end = start + n
+            att.last_scheduled_end = start + (scheduled[i] if scheduled else n)
+            if not n:
                 continue
             rows_state = att.rows
             try:
@@ -299,7 +357,11 @@ class ArtifactPublisher:
             except ArtifactError as e:
                 self._fail_here(aid, e)
                 continue
-            if rows_state.end - rows_state.committed >= bs or att.finalize:
+            if (
+                rows_state.end - rows_state.committed >= bs
+                or att.finalize
+                or att.drain_rows is not None
+            ):
                 dirty.add(aid)
         if dst:
             flat = pages.reshape(-1, *spec.row_shape)
@@ -331,6 +393,7 @@ class ArtifactPublisher:
             # dead thread.
             while not self._free_slots.acquire(timeout=1.0):
                 self._check_thread()
+            self._finalizes_handed += len(work.finalizes)
             self._queue.put(work)
             self._items_put += 1
 
@@ -340,12 +403,19 @@ class ArtifactPublisher:
         rows, bs = att.rows, self.block_size
         objects = work.objects
         for start, page, version, h in rows.take_blocks(att.hashes):
-            objects.append(_Object(aid, start, bs, page, h, version, False))
+            objects.append(_Object(att, start, bs, page, h, version, False))
+        if att.drain_rows is not None:
+            if rows.end < att.drain_rows and time.monotonic() <= att.deadline:
+                return True  # rows of steps in flight may complete blocks
+            rows.drop()
+            self._remove(att)
+            work.releases.append(aid)
+            return False
         fin = att.finalize
         if fin is None:
             return rows.end - rows.committed >= bs
         if rows.end < fin.num_rows:
-            if time.monotonic() > att.finalize_deadline:
+            if time.monotonic() > att.deadline:
                 raise CoverageError(
                     f"rows for tokens [{rows.end}, {fin.num_rows}) never arrived "
                     f"({self._finalize_wait_s:g} s after the request ended)"
@@ -359,9 +429,9 @@ class ArtifactPublisher:
             # its boundary. They hold the true routes of their tokens.
             rows.drop()
             work.finalizes.append(
-                dataclasses.replace(fin, num_rows=rows.committed, tail_hash=None)
+                (att, dataclasses.replace(fin, num_rows=rows.committed, tail_hash=None))
             )
-            del self._attempts[aid]
+            self._remove(att)
             return False
         if fin.num_rows - rows.committed >= bs:
             raise CoverageError(
@@ -374,21 +444,30 @@ class ArtifactPublisher:
             if fin.tail_hash is None:
                 raise CoverageError(f"a {n}-row tail at row {start} but no tail hash")
             work.objects.append(
-                _Object(aid, start, n, page, fin.tail_hash, version, True)
+                _Object(att, start, n, page, fin.tail_hash, version, True)
             )
         elif fin.tail_hash is not None:
             raise CoverageError("a tail hash for rows that end on a block boundary")
-        work.finalizes.append(fin)
-        del self._attempts[aid]
+        work.finalizes.append((att, fin))
+        self._remove(att)
         return False
+
+    def _remove(self, att: _Attempt) -> None:
+        """Take an attempt out of the table (its rows are handed over or
+        dropped)."""
+        aid = att.aid
+        del self._attempts[aid]
+        self._dirty.discard(aid)
+        if self._current.get(aid[0]) == aid[1]:
+            del self._current[aid[0]]
 
     def _fail_here(self, aid: AttemptId, error: BaseException) -> None:
         """Fail an attempt on the engine's thread: drop its rows, report,
         and let the thread release what it retained."""
-        att = self._attempts.pop(aid, None)
+        att = self._attempts.get(aid)
         if att is not None:
             att.rows.drop()
-        self._dirty.discard(aid)
+            self._remove(att)
         self._post(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
         self._work.releases.append(aid)
 
@@ -397,23 +476,23 @@ class ArtifactPublisher:
             self._results.append(item)
             self._results_cv.notify_all()
 
-    def wait_for_results(self, attempts: list[AttemptId], timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` until every attempt in ``attempts`` has an
-        acknowledgement or a failure waiting in :meth:`report`; returns
-        whether they all do (an engine with nothing else to run uses this
-        instead of spinning)."""
-        want = set(attempts)
-
-        def ready() -> bool:
-            have = {
-                (r.req_id, r.attempt)
-                for r in self._results
-                if isinstance(r, FinalizeAck | AttemptFailed)
-            }
-            return want <= have
-
+    def wait_for_answers(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every finalize handed to the
+        thread so far has its acknowledgement or failure waiting in
+        :meth:`report`; returns whether they all do (an engine with nothing
+        else to run uses this instead of spinning)."""
+        handed = self._finalizes_handed
         with self._results_cv:
-            return self._results_cv.wait_for(ready, timeout_s)
+            return self._results_cv.wait_for(
+                lambda: self._finalizes_answered >= handed, timeout_s
+            )
+
+    @_engine_side
+    def owes_answers(self) -> bool:
+        """Whether finalizes wait for their rows or for the thread."""
+        return self._finalizes_handed > self._finalizes_answered or any(
+            a.finalize is not None for a in self._attempts.values()
+        )
 
     @_engine_side
     def report(self) -> ArtifactWorkerReport:
@@ -429,10 +508,10 @@ class ArtifactPublisher:
                 failures.append(item)
                 # Failed in the thread: stop taking this attempt's rows.
                 aid = (item.req_id, item.attempt)
-                att = self._attempts.pop(aid, None)
+                att = self._attempts.get(aid)
                 if att is not None:
                     att.rows.drop()
-                    self._dirty.discard(aid)
+                    self._remove(att)
                     self._work.releases.append(aid)
             else:
                 progress.append(item)
@@ -526,33 +605,29 @@ class ArtifactPublisher:
             logger.warning("artifact store upkeep failed: %s", e)
 
     def _process(self, work: _Work) -> None:
-        for aid, version, prefix_hashes in work.starts:
-            keys = [
-                self._keys.key(version, h, self.block_size, tail=False)
-                for h in prefix_hashes
+        for att in work.starts:
+            att.prefix_keys = [
+                self._keys.key(att.prefix_version, h, self.block_size, tail=False)
+                for h in att.prefix_hashes
             ]
-            self._prefix[aid] = (version, prefix_hashes, keys)
-            self._own_refs[aid] = []
-            self._writer.retain(_owner(aid), keys)
-        objects = [o for o in work.objects if o.aid not in self._failed]
+            self._writer.retain(_owner(att.aid), att.prefix_keys)
+        objects = [o for o in work.objects if not o.att.failed]
         for o in work.objects:
-            if o.aid in self._failed:
+            if o.att.failed:
                 self.slab.free_later(o.page)
         if objects:
             self._publish(objects)
-        for fin in work.finalizes:
-            aid = (fin.req_id, fin.attempt)
-            if aid in self._failed:
-                self._forget(aid)
-                continue
-            try:
-                ack = self._acknowledge(aid, fin)
-            except ArtifactError as e:
-                self._fail_in_thread([aid], e)
-                continue
-            self._post(ack)
+        for att, fin in work.finalizes:
+            if not att.failed:
+                try:
+                    self._post(self._acknowledge(att, fin))
+                except ArtifactError as e:
+                    self._fail_in_thread([att], e)
+            with self._results_cv:
+                self._finalizes_answered += 1
+                self._results_cv.notify_all()
         for aid in work.releases:
-            self._forget(aid)
+            self._writer.release(_owner(aid))
 
     def _publish(self, objects: list[_Object]) -> None:
         key = self._keys.key
@@ -577,10 +652,10 @@ class ArtifactPublisher:
                 lambda buf: encode_objects(
                     self.spec, keys, starts, payloads, buf, tails=tails
                 ),
-                owners=[_owner(o.aid) for o in objects],
+                owners=[_owner(o.att.aid) for o in objects],
             )
         except (ArtifactError, OSError) as e:
-            self._fail_in_thread(list(dict.fromkeys(o.aid for o in objects)), e)
+            self._fail_in_thread(list(dict.fromkeys(o.att for o in objects)), e)
             return
         finally:
             payloads.clear()
@@ -588,15 +663,16 @@ class ArtifactPublisher:
                 self.slab.free_later(o.page)
         ends: dict[AttemptId, int] = {}
         for o, ref in zip(objects, result.refs):
-            self._own_refs[o.aid].append(
+            o.att.own_refs.append(
                 (ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
             )
-            ends[o.aid] = o.start + o.num_rows
+            ends[o.att.aid] = o.start + o.num_rows
         for aid, end in ends.items():
             self._post(CommitProgress(aid[0], aid[1], end))
 
-    def _acknowledge(self, aid: AttemptId, fin: Finalize) -> FinalizeAck:
-        version, prefix_hashes, prefix_keys = self._prefix[aid]
+    def _acknowledge(self, att: _Attempt, fin: Finalize) -> FinalizeAck:
+        version, prefix_hashes = att.prefix_version, att.prefix_hashes
+        prefix_keys = att.prefix_keys
         bs = self.block_size
         rows: list[tuple[str, int, int, int, str]] = []
         for b, (key, ref) in enumerate(
@@ -605,7 +681,7 @@ class ArtifactPublisher:
             if ref is None:
                 raise self._prefix_miss(b, key, version, prefix_hashes[b])
             rows.append((key, b * bs, bs, ref.checksum, version))
-        rows.extend(self._own_refs[aid])
+        rows.extend(att.own_refs)
         columns = [list(c) for c in zip(*rows)] if rows else [[]] * 5
         refs = ObjectRefs.build(*columns)
         check_coverage(refs, fin.num_rows)
@@ -635,19 +711,15 @@ class ArtifactPublisher:
             "the artifact store: evicted or never published"
         )
 
-    def _fail_in_thread(self, aids: list[AttemptId], error: BaseException) -> None:
+    def _fail_in_thread(self, atts: list[_Attempt], error: BaseException) -> None:
         logger.warning(
-            "artifact publication failed for %d request(s): %s", len(aids), error
+            "artifact publication failed for %d request(s): %s", len(atts), error
         )
-        for aid in aids:
-            if aid in self._failed:
+        for att in atts:
+            if att.failed:
                 continue
-            self._failed.add(aid)
-            self._writer.release(_owner(aid))
+            att.failed = True
+            att.own_refs.clear()
+            self._writer.release(_owner(att.aid))
+            aid = att.aid
             self._post(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
-
-    def _forget(self, aid: AttemptId) -> None:
-        self._writer.release(_owner(aid))
-        self._own_refs.pop(aid, None)
-        self._prefix.pop(aid, None)
-        self._failed.discard(aid)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,10 @@ from vllm.distributed.artifact_connector.store import (
     ArtifactError,
     ObjectStoreReader,
     checksum,
+)
+from vllm.utils.routed_experts_rows import (
+    ROUTED_EXPERTS_DTYPE_CODES,
+    RowSpec,
 )
 
 SCHEMA_VERSION = 2
@@ -62,13 +65,6 @@ ENVELOPE_DTYPE = np.dtype(
 )
 ENVELOPE_NBYTES = ENVELOPE_DTYPE.itemsize
 
-_DTYPE_CODES = {
-    np.dtype(np.uint8): 1,
-    np.dtype(np.uint16): 2,
-    np.dtype(np.int16): 3,
-    np.dtype(np.int32): 4,
-}
-
 
 class EnvelopeError(ArtifactError):
     """An object's envelope does not match what the request expects (schema,
@@ -77,48 +73,6 @@ class EnvelopeError(ArtifactError):
 
 class CoverageError(ArtifactError):
     """A request's objects do not cover its rows exactly once, in order."""
-
-
-# --------------------------------------------------------------------------
-# Row format
-# --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RowSpec:
-    """Shape and dtype of one row (one executed token): ``[num_layers,
-    top_k]`` expert ids."""
-
-    num_layers: int
-    top_k: int
-    dtype: np.dtype = field(default_factory=lambda: np.dtype(np.uint8))
-
-    def __post_init__(self) -> None:
-        dt = np.dtype(self.dtype)
-        object.__setattr__(self, "dtype", dt)
-        if dt not in _DTYPE_CODES:
-            names = [str(d) for d in _DTYPE_CODES]
-            raise ValueError(f"artifact rows must be one of {names}, got {dt}")
-        if not (0 < self.num_layers < 1 << 16 and 0 < self.top_k < 1 << 16):
-            raise ValueError("num_layers and top_k must be in [1, 65535]")
-
-    @classmethod
-    def for_experts(cls, num_layers: int, top_k: int, num_experts: int) -> RowSpec:
-        """uint8 when every expert id fits, else int16 (torch lacks most
-        uint16 operations; trainers index with signed types)."""
-        if not 0 < num_experts <= 1 << 15:
-            raise ValueError(f"unsupported number of experts {num_experts}")
-        dt = np.uint8 if num_experts <= 256 else np.int16
-        return cls(num_layers, top_k, np.dtype(dt))
-
-    @property
-    def row_shape(self) -> tuple[int, int]:
-        return (self.num_layers, self.top_k)
-
-    @property
-    def row_nbytes(self) -> int:
-        return self.num_layers * self.top_k * self.dtype.itemsize
-
-    def object_nbytes(self, num_rows: int) -> int:
-        return num_rows * self.row_nbytes + ENVELOPE_NBYTES
 
 
 # --------------------------------------------------------------------------
@@ -211,7 +165,7 @@ def encode_objects(
     env = np.zeros(n, ENVELOPE_DTYPE)
     env["magic"] = np.frombuffer(ENVELOPE_MAGIC, "V4")[0]
     env["schema"] = SCHEMA_VERSION
-    env["dtype"] = _DTYPE_CODES[spec.dtype]
+    env["dtype"] = ROUTED_EXPERTS_DTYPE_CODES[spec.dtype]
     env["layers"] = spec.num_layers
     env["top_k"] = spec.top_k
     env["start"] = np.asarray(starts, np.int64)
@@ -351,7 +305,7 @@ def _check_envelopes(
             f"engine reads version {SCHEMA_VERSION}"
         )
     i = first(
-        (env["dtype"] != _DTYPE_CODES[spec.dtype])
+        (env["dtype"] != ROUTED_EXPERTS_DTYPE_CODES[spec.dtype])
         | (env["layers"] != spec.num_layers)
         | (env["top_k"] != spec.top_k)
     )

@@ -1,0 +1,572 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The scheduler side of the Artifact Connector (EngineCore process).
+
+It tells the publishing worker, through ``SchedulerOutput.artifact_meta``,
+when a request attempt starts (with the prefix-hit block hashes to retain),
+which block hashes became known and how each attempt ends: finalised at the
+executed boundary (a finish, or an abort whose caller waits), or discarded
+(drained: its full blocks are published, the rest dropped). It keeps a
+finished request's terminal output until the worker acknowledges the finish
+in ``ModelRunnerOutput.artifact_report``, reads the rows from the store,
+attaches them and releases the request's objects.
+
+State is one :class:`_Record` per request, with an explicit
+:class:`Phase`; every transition is a method of this class, on the engine
+thread. No rows travel per step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm.config.artifact import (
+    check_prefix_caching_for_routed_experts,
+    routed_experts_row_spec,
+)
+from vllm.distributed.artifact_connector.frontend import split_abort_items
+from vllm.distributed.artifact_connector.metrics import ArtifactStatsCollector
+from vllm.distributed.artifact_connector.protocol import (
+    ACK_TIMEOUT_S,
+    Abort,
+    ArtifactSchedulerMeta,
+    ArtifactWorkerReport,
+    AttemptStart,
+    BlockHashes,
+    Discard,
+    Finalize,
+    Release,
+)
+from vllm.distributed.artifact_connector.request_core import (
+    read_rows,
+    tail_block_hash,
+)
+from vllm.distributed.artifact_connector.shm import ShmStoreReader
+from vllm.distributed.artifact_connector.store import ArtifactError
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class ArtifactAckTimeout(ArtifactError):
+    """The publishing worker did not acknowledge a finished request in time."""
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    """The live attempt is scheduled (or waits to be, before its first step)."""
+    PREEMPTED = "preempted"
+    """Preempted: the attempt keeps its rows until the request resumes and
+    the new attempt has recomputed them, or until it finishes first."""
+    FINISHING = "finishing"
+    """Finalize sent; the terminal output waits for the acknowledgement."""
+
+
+@dataclass
+class _Attempt:
+    number: int
+    hashes_sent: int
+    # Tokens the attempt has computed (scheduled); set when it stops running.
+    computed: int = 0
+
+
+@dataclass
+class _Record:
+    """One request's R3 state."""
+
+    req_id: str
+    client_index: int
+    phase: Phase = Phase.RUNNING
+    attempts: int = 0  # attempts started so far
+    live: _Attempt | None = None
+    # A preempted attempt kept while the resumed one recomputes its rows:
+    # a finish during the recompute is finalised from it.
+    parked: _Attempt | None = None
+    # Why this request cannot get routes (it runs and fails when it ends).
+    error: str | None = None
+    # Whether a caller waits for routes (False after a client-gone abort).
+    routes_wanted: bool = True
+    # FINISHING: the finalised attempt, the boundary, the held output.
+    finalized: int = 0
+    num_rows: int = 0
+    first_row: int = 0
+    engine_finish: bool = False
+    ended: float = 0.0
+    output: EngineCoreOutput | None = None
+
+
+@dataclass
+class _Outbox:
+    """Messages for the next step's meta."""
+
+    starts: list[AttemptStart] = field(default_factory=list)
+    hashes: list[BlockHashes] = field(default_factory=list)
+    finalizes: list[Finalize] = field(default_factory=list)
+    discards: list[Discard] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
+    weight_version: str | None = None
+
+    def take(self) -> ArtifactSchedulerMeta:
+        meta = ArtifactSchedulerMeta(
+            weight_version=self.weight_version,
+            starts=tuple(self.starts),
+            hashes=tuple(self.hashes),
+            finalizes=tuple(self.finalizes),
+            discards=tuple(self.discards),
+            releases=tuple(self.releases),
+        )
+        self.__init__()  # type: ignore[misc]
+        return meta
+
+
+def _engine_finish(request: Request) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_REPETITION,
+    )
+
+
+class ArtifactSchedulerConnector:
+    """See the module docs."""
+
+    def __init__(self, vllm_config: VllmConfig, hash_block_size: int) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        # The engine core may have turned prefix caching off after the
+        # config was verified (models with non-causal layers).
+        check_prefix_caching_for_routed_experts(vllm_config)
+        cfg = vllm_config.artifact_config
+        self.spec = routed_experts_row_spec(vllm_config)
+        self.block_size = hash_block_size
+        self._hash_fn = get_hash_fn_by_name(
+            vllm_config.cache_config.prefix_caching_hash_algo
+        )
+        namespace = cfg.namespace(vllm_config.parallel_config.data_parallel_rank)
+        # The workers (and the store's writer) exist before the scheduler.
+        self._reader = ShmStoreReader(cfg.shm_root, namespace)
+        self._records: dict[str, _Record] = {}
+        self._num_finishing = 0
+        self._out = _Outbox()
+        # Terminal outputs to emit with the next update.
+        self._ready: list[tuple[int, EngineCoreOutput]] = []
+        self._stats = ArtifactStatsCollector()
+
+    # ------------------------------------------------------------ messages
+    def build_meta(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> ArtifactSchedulerMeta:
+        """This step's messages for the publishing worker (every step, empty
+        ones included)."""
+        for new in scheduler_output.scheduled_new_reqs:
+            request = requests[new.req_id]
+            record = self._records.get(new.req_id)
+            if record is None:
+                record = self._records[new.req_id] = _Record(
+                    new.req_id, request.client_index
+                )
+            self._start_attempt(record, request, new.num_computed_tokens)
+        for record in self._records.values():
+            if record.phase is Phase.FINISHING:
+                continue
+            request = requests[record.req_id]
+            if record.live is not None:
+                self._queue_hashes(record, record.live, request.block_hashes)
+            parked = record.parked
+            if parked is not None and request.num_computed_tokens >= parked.computed:
+                # The resumed attempt has recomputed everything the parked
+                # one held: drain the parked one.
+                self._discard(record, parked)
+                record.parked = None
+        return self._out.take()
+
+    def _start_attempt(self, record: _Record, request: Request, cached: int) -> None:
+        bs = self.block_size
+        old = record.live
+        if old is not None:
+            # A resumed request. Keep the attempt that holds the most rows
+            # until the new one has recomputed them; drain the other.
+            self._queue_hashes(record, old, request.block_hashes)
+            keep, drop = old, record.parked
+            if drop is not None and drop.computed > old.computed:
+                keep, drop = drop, old
+            if drop is not None:
+                self._discard(record, drop)
+            record.parked = keep if keep.computed > cached else None
+            if record.parked is None:
+                self._discard(record, keep)
+        record.attempts += 1
+        record.phase = Phase.RUNNING
+        record.live = None
+        if record.error is not None:
+            return
+        if cached % bs:
+            record.error = (
+                f"CoverageError: {cached} tokens came from the KV cache, not a "
+                f"multiple of the hash block size {bs}: a KV connector loaded a "
+                "partial block, whose routes are not stored"
+            )
+            return
+        n_prefix = cached // bs
+        self._out.starts.append(
+            AttemptStart(
+                record.req_id,
+                record.attempts,
+                cached,
+                tuple(request.block_hashes[:n_prefix]),
+            )
+        )
+        record.live = _Attempt(record.attempts, n_prefix)
+
+    def _queue_hashes(self, record: _Record, att: _Attempt, block_hashes: list) -> None:
+        n = len(block_hashes)
+        if n > att.hashes_sent:
+            self._out.hashes.append(
+                BlockHashes(
+                    record.req_id,
+                    att.number,
+                    att.hashes_sent,
+                    tuple(block_hashes[att.hashes_sent : n]),
+                )
+            )
+            att.hashes_sent = n
+
+    def _discard(self, record: _Record, att: _Attempt) -> None:
+        """End an attempt without output: the worker publishes its full
+        blocks (their KV stays cached, later hits need their routes), drops
+        the rest and releases what it retained."""
+        self._out.discards.append(Discard(record.req_id, att.number, att.computed))
+
+    def set_weight_version(self, version: str) -> None:
+        """Rows computed from the next step on belong to ``version``."""
+        self._out.weight_version = version
+
+    # ------------------------------------------------------------ lifecycle
+    def on_preempt(self, request: Request) -> None:
+        """Called before the scheduler frees the request's blocks: the
+        attempt keeps its rows (and gets the hashes of blocks its in-flight
+        steps complete) until the request resumes or finishes."""
+        record = self._records.get(request.request_id)
+        if record is None or record.phase is not Phase.RUNNING:
+            return
+        record.phase = Phase.PREEMPTED
+        if record.live is not None:
+            record.live.computed = request.num_computed_tokens
+
+    def take_abort_items(self, items: Iterable[Any]) -> list[str]:
+        """The request ids of an ABORT payload (``frontend.abort_items``);
+        requests whose caller is gone (client disconnects) are marked so
+        that, when they end, nothing is read for them."""
+        req_ids, gone = split_abort_items(items)
+        for req_id in gone:
+            record = self._records.get(req_id)
+            if record is not None:
+                record.routes_wanted = False
+        return req_ids
+
+    def on_finish(self, request: Request) -> None:
+        """The request left the scheduler (any reason)."""
+        from vllm.v1.engine import EngineCoreOutput, FinishReason
+        from vllm.v1.request import RequestStatus
+
+        req_id = request.request_id
+        record = self._records.get(req_id)
+        if record is None:  # never scheduled
+            if _engine_finish(request) or (
+                request.status == RequestStatus.FINISHED_ABORTED
+                and request.num_output_tokens
+            ):
+                # Cannot happen in the base (a request runs before it
+                # returns tokens); fail loudly rather than answer without.
+                record = self._records[req_id] = _Record(req_id, request.client_index)
+                record.error = (
+                    "ArtifactError: the request never ran, so no routes cover "
+                    "its tokens"
+                )
+            else:
+                return
+        if record.phase is Phase.FINISHING:
+            return
+        engine_finish = _engine_finish(request)
+        aborted_with_tokens = (
+            request.status == RequestStatus.FINISHED_ABORTED
+            and request.num_output_tokens > 0
+            and record.routes_wanted
+        )
+        computed = request.num_computed_tokens
+        if record.phase is Phase.RUNNING and record.live is not None:
+            record.live.computed = computed
+        if not (engine_finish or aborted_with_tokens):
+            # An error, aborted before any token, or nobody waits: no output
+            # from here; drain every attempt.
+            for att in (record.live, record.parked):
+                if att is not None:
+                    self._queue_hashes(record, att, request.block_hashes)
+                    self._discard(record, att)
+            del self._records[req_id]
+            return
+        num_rows = request.num_tokens - 1
+        record.phase = Phase.FINISHING
+        self._num_finishing += 1
+        record.num_rows = num_rows
+        record.first_row = min(
+            request.sampling_params.routed_experts_prompt_start,  # type: ignore[union-attr]
+            num_rows,
+        )
+        record.engine_finish = engine_finish
+        record.ended = time.monotonic()
+        if not engine_finish:
+            # finish_requests() emits nothing for aborts; this output carries
+            # the routes to the caller that waits.
+            record.output = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ABORT,
+                trace_headers=request.trace_headers,
+            )
+        att = self._attempt_for(record, num_rows)
+        for other in (record.live, record.parked):
+            if other is not None and other is not att:
+                self._queue_hashes(record, other, request.block_hashes)
+                self._discard(record, other)
+        record.live = record.parked = None
+        if att is None:
+            if record.error is None:
+                record.error = (
+                    f"CoverageError: no attempt of request {req_id} computed its "
+                    f"{num_rows} rows"
+                )
+            if not engine_finish:
+                self._emit(record, None, record.error)
+            return  # the engine's terminal output gets the error when it comes
+        self._queue_hashes(record, att, request.block_hashes)
+        bs = self.block_size
+        full = num_rows // bs
+        tail_hash = None
+        if num_rows % bs:
+            from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+            extra, _ = generate_block_hash_extra_keys(request, full * bs, num_rows, 0)
+            tail_hash = tail_block_hash(
+                self._hash_fn,
+                request.block_hashes[full - 1] if full else None,
+                request.all_token_ids[full * bs : num_rows],
+                extra,
+            )
+        kind = Finalize if engine_finish else Abort
+        self._out.finalizes.append(kind(req_id, att.number, num_rows, tail_hash))
+        record.finalized = att.number
+
+    def _attempt_for(self, record: _Record, num_rows: int) -> _Attempt | None:
+        """The attempt whose rows cover ``num_rows``: the live one once it
+        has computed them, else the parked one it is recomputing."""
+        if record.error is not None:
+            return None
+        live, parked = record.live, record.parked
+        if live is not None and (parked is None or live.computed >= num_rows):
+            return live
+        if parked is not None and parked.computed >= num_rows:
+            return parked
+        return live
+
+    def owes_output(self, req_id: str) -> bool:
+        """Whether the connector emits this finished request's terminal
+        output (with its routes) itself."""
+        record = self._records.get(req_id)
+        return (
+            record is not None
+            and record.phase is Phase.FINISHING
+            and not record.engine_finish
+        ) or any(o.request_id == req_id for _, o in self._ready)
+
+    def has_pending(self) -> bool:
+        """Whether outputs wait for acknowledgements, or messages for the
+        worker: keeps the engine stepping (empty steps included) until they
+        are emitted and sent, so an idle engine retains nothing."""
+        out = self._out
+        return bool(
+            self._ready
+            or out.releases
+            or out.discards
+            or out.finalizes
+            or self._num_finishing
+        )
+
+    # ------------------------------------------------------------ outputs
+    def update_from_output(
+        self,
+        report: ArtifactWorkerReport | None,
+        outputs: dict[int, list[EngineCoreOutput]],
+        finish_requests: Callable[[list[str], Any], list[Request]],
+    ) -> None:
+        """Hold this step's terminal outputs of finishing requests, read
+        acknowledged requests' routes and emit their outputs, fail running
+        requests whose publication failed."""
+        from vllm.v1.engine import EngineCoreOutput, FinishReason
+        from vllm.v1.request import RequestStatus
+
+        self._hold_terminal_outputs(outputs)
+        stats = self._stats
+        to_fail: dict[str, str] = {}
+        now = time.monotonic()
+        if report is not None:
+            if report.stats is not None:
+                stats.worker_snapshot(report.stats)
+            for ack in report.acks:
+                self._out.releases.append(Release(ack.req_id, ack.attempt))
+                record = self._finishing(ack.req_id, ack.attempt)
+                if record is None:
+                    continue
+                stats.publish_s.append(now - record.ended)
+                if not record.routes_wanted:
+                    self._emit(record, None, None)
+                    continue
+                start = time.perf_counter()
+                rows, error = None, None
+                try:
+                    rows = read_rows(
+                        self._reader,
+                        self.spec,
+                        ack.refs,
+                        min(record.num_rows, ack.num_rows),
+                        first_row=record.first_row,
+                    )
+                except ArtifactError as e:
+                    logger.warning("routes of request %s unreadable: %s", ack.req_id, e)
+                    error = f"{type(e).__name__}: {e}"
+                stats.materialization_s.append(time.perf_counter() - start)
+                self._emit(record, rows, error)
+            for failure in report.failures:
+                error = f"{failure.error_type}: {failure.message}"
+                record = self._finishing(failure.req_id, failure.attempt)
+                if record is not None:
+                    stats.publish_s.append(now - record.ended)
+                    self._emit(record, None, error)
+                    continue
+                record = self._records.get(failure.req_id)
+                if record is None:
+                    continue
+                if (
+                    record.parked is not None
+                    and record.parked.number == failure.attempt
+                ):
+                    record.parked = None  # the resumed attempt recomputes it
+                elif record.live is not None and record.live.number == failure.attempt:
+                    record.live = None
+                    record.error = error
+                    to_fail[failure.req_id] = error
+        for record in list(self._records.values()) if self._num_finishing else ():
+            if record.phase is Phase.FINISHING and now - record.ended > ACK_TIMEOUT_S:
+                stats.publish_s.append(now - record.ended)
+                timeout = ArtifactAckTimeout(
+                    f"no acknowledgement of request {record.req_id} from the "
+                    f"publishing worker within {ACK_TIMEOUT_S:g} s"
+                )
+                logger.error("%s", timeout)
+                self._emit(record, None, f"{type(timeout).__name__}: {timeout}")
+        for client_index, output in self._ready:
+            outputs[client_index].append(output)
+        self._ready.clear()
+        if to_fail:
+            for request in finish_requests(list(to_fail), RequestStatus.FINISHED_ERROR):
+                stats.request_done(to_fail[request.request_id])
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=FinishReason.ERROR,
+                        trace_headers=request.trace_headers,
+                        artifact_error=to_fail[request.request_id],
+                    )
+                )
+
+    def _hold_terminal_outputs(
+        self, outputs: dict[int, list[EngineCoreOutput]]
+    ) -> None:
+        """Take the terminal outputs of requests that finished in the engine
+        this step out of ``outputs``: they leave with their routes."""
+        records = self._records
+        for client_outputs in outputs.values():
+            kept = []
+            for eco in client_outputs:
+                record = (
+                    records.get(eco.request_id)
+                    if eco.finish_reason is not None
+                    else None
+                )
+                if record is None or record.phase is not Phase.FINISHING:
+                    kept.append(eco)
+                elif record.finalized == 0:  # no attempt can give routes
+                    self._emit(record, None, record.error, eco)
+                else:
+                    record.output = eco
+            if len(kept) != len(client_outputs):
+                client_outputs[:] = kept
+
+    def _finishing(self, req_id: str, attempt: int) -> _Record | None:
+        record = self._records.get(req_id)
+        if (
+            record is None
+            or record.phase is not Phase.FINISHING
+            or record.finalized != attempt
+        ):
+            return None
+        return record
+
+    def _emit(
+        self,
+        record: _Record,
+        rows: np.ndarray | None,
+        error: str | None,
+        output: EngineCoreOutput | None = None,
+    ) -> None:
+        from vllm.v1.engine import FinishReason
+
+        del self._records[record.req_id]
+        self._num_finishing -= 1
+        output = output or record.output
+        if output is None:  # an engine finish whose output never came
+            from vllm.v1.engine import EngineCoreOutput
+
+            output = EngineCoreOutput(
+                request_id=record.req_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+            )
+        if error is not None:
+            output.routed_experts = None
+            output.artifact_error = error
+            if record.engine_finish:
+                output.finish_reason = FinishReason.ERROR
+        else:
+            output.routed_experts = rows
+        if record.routes_wanted:
+            self._stats.request_done(error)
+        self._ready.append((record.client_index, output))
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The metrics since the last call, for ``SchedulerStats.
+        artifact_stats`` (see ``metrics.py``); None when nothing changed.
+        Called once per step."""
+        return self._stats.take()
+
+    def stats(self) -> dict[str, int]:
+        """Records held (tests: zero once the engine is idle)."""
+        return {"records": len(self._records), "ready": len(self._ready)}
+
+    def close(self) -> None:
+        self._reader.close()
