@@ -74,13 +74,12 @@ def _assert_choice_exact(tiny_moe, resp, first_row=0) -> np.ndarray:
     return want
 
 
-def _tito(server, token_ids, **sampling):
+def _tito(server, token_ids, request_id=None, **sampling):
     sampling = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **sampling}
-    return _post(
-        server,
-        "/inference/v1/generate",
-        {"token_ids": token_ids, "sampling_params": sampling},
-    )
+    body = {"token_ids": token_ids, "sampling_params": sampling}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return _post(server, "/inference/v1/generate", body)
 
 
 def _sse(server, path: str, body: dict) -> list:
@@ -234,6 +233,74 @@ def test_pause_with_abort_returns_routes_of_the_returned_tokens(
     finally:
         assert _post(server, "/resume")[0] == 200
     _assert_choice_exact(tiny_moe, _completion(client, PROMPTS[2]))
+
+
+def _abort_while_decoding(server, run, abort_path: str, abort_body: dict):
+    """Start ``run()`` (a long request) on a thread, let it decode, then
+    POST ``abort_body`` to ``abort_path``; returns what ``run`` returned."""
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=run()))
+    t.start()
+    time.sleep(3.0)  # the request is decoding
+    status, body = _post(server, abort_path, abort_body)
+    assert status == 200, body
+    t.join(timeout=120)
+    assert not t.is_alive()
+    return result["out"]
+
+
+def _assert_aborted_choice_exact(tiny_moe, resp) -> None:
+    choice = resp.choices[0]
+    assert choice.finish_reason == "abort", choice.finish_reason
+    assert 0 < len(choice.token_ids) < 600
+    assert (choice.model_extra or {}).get("routed_experts_error") is None
+    _assert_choice_exact(tiny_moe, resp)
+
+
+def test_abort_requests_with_an_empty_body_returns_routes(server, client, tiny_moe):
+    """The RL endpoint vime's rollout calls: the aborted completion comes
+    back with its tokens and the routes of exactly those (the old code
+    answered with tokens, no routes and no reason)."""
+    resp = _abort_while_decoding(
+        server,
+        lambda: _completion(client, PROMPTS[3], max_tokens=600),
+        "/abort_requests",
+        {},
+    )
+    _assert_aborted_choice_exact(tiny_moe, resp)
+    _assert_choice_exact(tiny_moe, _completion(client, PROMPTS[0]))
+
+
+def test_abort_requests_by_id_returns_routes(server, client, tiny_moe):
+    """By the id the client chose (X-Request-Id makes prompt 0 ``cmpl-<id>-0``)."""
+    resp = _abort_while_decoding(
+        server,
+        lambda: _completion(
+            client, PROMPTS[2], max_tokens=600, extra_headers={"X-Request-Id": "ab1"}
+        ),
+        "/abort_requests",
+        {"request_ids": ["cmpl-ab1-0"]},
+    )
+    _assert_aborted_choice_exact(tiny_moe, resp)
+
+
+def test_token_in_token_out_abort_returns_routes(server, tiny_moe):
+    ids = list(range(5, 45))
+    out = _abort_while_decoding(
+        server,
+        lambda: _tito(server, ids, request_id="t1", max_tokens=600),
+        "/inference/v1/abort_requests",
+        {"request_ids": ["generate-tokens-t1"]},
+    )
+    status, body = out
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "abort", choice["finish_reason"]
+    assert 0 < len(choice["token_ids"]) < 600
+    assert choice.get("routed_experts_error") is None
+    np.testing.assert_array_equal(
+        _routes(choice), expected_r3(tiny_moe, ids, choice["token_ids"])
+    )
 
 
 def test_completion_stream_routes_on_each_final_chunk(client, tiny_moe):

@@ -408,3 +408,102 @@ def test_a_dead_publication_thread_is_reported_not_waited_for(shm_root):
     finally:
         h.reader.close()
         h.pub.close()
+
+
+def test_rows_carry_the_weight_version_of_the_step_that_computed_them(h):
+    """Defect h: under async scheduling a step prepared before a weight
+    update is processed after it. Its rows belong to the old weights (the
+    old code took the version when the rows arrived)."""
+    hashes = tuple(block_hash("h", b) for b in range(2))
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("h", 0, 0),),
+            hashes=(BlockHashes("h", 0, 0, hashes),),
+        )
+    )
+    prepared_under = h.pub.weight_version
+    h.pub.apply(ArtifactSchedulerMeta(weight_version="w2"))  # the next step
+    h.pub.write_step([("h", 0)], [0], [8], routes(3, 8), weight_version=prepared_under)
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("h", 0, 8, None),)))
+    assert h.acks["h"].refs.weight_versions == ("default", "default")
+
+
+def test_a_discard_drains_full_blocks_then_releases(h):
+    """Defect a: an attempt discarded while its rows are in flight (aborted
+    before its first token, failed) publishes its full blocks once the rows
+    arrive, because their KV stays cached and a later hit needs them."""
+    truth = routes(4, 10)
+    hashes = tuple(block_hash("d", b) for b in range(2))
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("d", 0, 0),),
+            hashes=(BlockHashes("d", 0, 0, hashes),),
+            discards=(Discard("d", 0, 10),),
+        )
+    )
+    assert h.pub.stats()["attempts"] == 1  # waits for the rows in flight
+    h.step(rows=[("d", 0, 0, truth)])
+    assert h.pub.stats()["attempts"] == 0
+    assert h.pub.stats()["slab_pages_used"] == 0
+    # A later request hits both blocks: exact.
+    h.step(
+        ArtifactSchedulerMeta(starts=(AttemptStart("hit", 0, 8, hashes),)),
+        [("hit", 0, 8, truth[8:])],
+    )
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("hit", 0, 10, b"tail"),)))
+    np.testing.assert_array_equal(h.read("hit"), truth)
+    h.step(ArtifactSchedulerMeta(releases=(Release("hit", 0),)))
+    assert h.writer.stats().retained_keys == 0
+
+
+def test_a_drain_ends_at_its_deadline_when_rows_never_come(shm_root):
+    h = Harness(shm_root, finalize_wait_s=0.05)
+    try:
+        h.step(ArtifactSchedulerMeta(starts=(AttemptStart("d", 0, 0),)))
+        h.step(ArtifactSchedulerMeta(discards=(Discard("d", 0, 12),)))
+        time.sleep(0.1)
+        h.step()
+        assert h.pub.stats()["attempts"] == 0
+        assert not h.failures  # a discard owes nobody an answer
+    finally:
+        h.close()
+
+
+def test_nothing_outlives_an_attempt_that_fails_at_acknowledgement(h):
+    """Defect f: the old publication thread kept per-attempt dicts that were
+    never pruned for attempts failing at acknowledgement."""
+    import gc
+    import weakref
+
+    refs = []
+    for i in range(5):
+        req = f"miss{i}"
+        h.step(
+            ArtifactSchedulerMeta(
+                starts=(AttemptStart(req, 0, 4, (block_hash("gone", i),)),)
+            ),
+            [(req, 0, 4, routes(i, 2))],
+        )
+        refs.append(weakref.ref(h.pub._attempts[(req, 0)]))
+        h.step(ArtifactSchedulerMeta(finalizes=(Finalize(req, 0, 6, b"t"),)))
+        assert h.failures[req].error_type == "ObjectMissingError"
+        h.step(ArtifactSchedulerMeta(releases=(Release(req, 0),)))
+    gc.collect()
+    assert [r() for r in refs] == [None] * 5
+    # No per-attempt container keeps anything (the old _prefix and _failed).
+    leftovers = {
+        k: v for k, v in vars(h.pub).items() if isinstance(v, dict | set) and v
+    }
+    assert leftovers == {}
+    assert h.pub.stats()["attempts"] == 0
+    assert h.writer.stats().retained_keys == 0
+
+
+def test_weight_versions_remembered_are_bounded(h):
+    """Defect m: every version ever set was kept."""
+    from vllm.distributed.artifact_connector.publisher import MAX_VERSIONS_SEEN
+
+    for i in range(3 * MAX_VERSIONS_SEEN):
+        h.pub.set_weight_version(f"v{i}")
+    assert len(h.pub._versions_seen) == MAX_VERSIONS_SEEN
+    assert h.pub._versions_seen[-1] == f"v{3 * MAX_VERSIONS_SEEN - 1}"

@@ -712,8 +712,10 @@ class ArtifactPublisher:
         )
 
     def _fail_in_thread(self, atts: list[_Attempt], error: BaseException) -> None:
+        # The message, not the exception: a log record kept by a handler
+        # would keep the exception's frames, and the attempts, alive.
         logger.warning(
-            "artifact publication failed for %d request(s): %s", len(atts), error
+            "artifact publication failed for %d request(s): %s", len(atts), str(error)
         )
         for att in atts:
             if att.failed:
