@@ -38,7 +38,8 @@ class _Engine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.loop = asyncio.new_event_loop()
-        args = AsyncEngineArgs(**engine_kwargs(model))
+        # Chunked prefill: a long prompt takes several steps.
+        args = AsyncEngineArgs(**engine_kwargs(model, max_num_batched_tokens=64))
         self.llm = self.run(self._start(AsyncLLM, args))
 
     @staticmethod
@@ -138,6 +139,70 @@ def test_abort_before_the_first_token_says_why(engine, tiny_moe):
         assert out.routed_experts_error.startswith("RequestAbortedError"), (
             out.routed_experts_error
         )
+
+
+def _long_prompt(engine, seed: int, n: int = 20 * 32 + 5) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(10, 400, n).tolist()
+
+
+def test_blocks_of_an_attempt_aborted_mid_prefill_are_published(engine, tiny_moe):
+    """Defect a end to end: aborted before its first token, mid prefill
+    (async scheduling, 64-token chunks, another request keeping the batch
+    queue full). The KV blocks computed stay cached, and the next request
+    hitting them is exact. The interleaving that lost rows in the old code
+    (the discard taken before the rows of the chunk in flight) is forced in
+    tests/artifact_connector/test_publisher.py::
+    test_a_discard_drains_full_blocks_then_releases: on the CPU harness the
+    worker processes a step's rows before it begins the next one."""
+    ids = _long_prompt(engine, 1, 30 * 32 + 5)
+
+    async def scenario():
+        busy = asyncio.create_task(
+            _collect(engine.llm, engine.tokens(PROMPTS[0]), greedy(150), "busy")
+        )
+        task = asyncio.create_task(_collect(engine.llm, ids, greedy(4), "mid-prefill"))
+        op = engine.llm.output_processor
+        while "mid-prefill" not in op.external_req_ids:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)  # a few chunks computed, one in flight
+        await engine.llm.abort("mid-prefill")
+        aborted = await asyncio.wait_for(task, 120)
+        again = await _collect(engine.llm, ids, greedy(4), "same-prompt")
+        await busy
+        return aborted, again
+
+    aborted, again = engine.run(scenario())
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert not aborted.outputs[0].token_ids, "the prefill finished first"
+    assert (again.num_cached_tokens or 0) >= 32, "no prefix hit"
+    assert_exact(tiny_moe, ids, again.outputs[0])
+
+
+def test_abort_while_a_preempted_request_recomputes(engine, tiny_moe):
+    """Defect c: preempted after it returned tokens, resumed, and aborted
+    while it recomputes its 650 tokens (ten chunks). The rows are those of
+    the preempted attempt; the old code waited 5 s for the new attempt's
+    rows, then answered CoverageError."""
+    ids = _long_prompt(engine, 2)
+
+    async def scenario():
+        seen = _event(3)
+        task = asyncio.create_task(
+            _collect(engine.llm, ids, greedy(200), "recompute", seen)
+        )
+        await asyncio.wait_for(seen.wait(), 120)
+        # Preempts every running request (its KV is gone: it recomputes
+        # from the first token).
+        assert await engine.llm.reset_prefix_cache(reset_running_requests=True)
+        await engine.llm.abort("recompute")
+        return await asyncio.wait_for(task, 120)
+
+    out = engine.run(scenario()).outputs[0]
+    assert out.finish_reason == "abort"
+    assert out.routed_experts_error is None, out.routed_experts_error
+    assert_exact(tiny_moe, ids, out)
 
 
 def test_a_cancelled_generate_retains_nothing(engine, tiny_moe):

@@ -233,6 +233,32 @@ def test_corrupted_object_fails_only_its_request(llm, tiny_moe):
     assert_exact(tiny_moe, c.prompt_token_ids, c.outputs[0])
 
 
+def test_a_stop_string_in_an_output_without_routes_is_an_error(llm, tiny_moe):
+    """Defect d: the engine's terminal output carried an R3 error (its
+    routes unreadable) and a stop string the detokenizer found in it; the
+    old frontend answered STOP, with no routes and no error finish."""
+    llm.reset_prefix_cache()
+    victim = SHARED_PREFIX + "A stop string meets corrupted routes."
+    (a,) = llm.generate([victim], greedy(8), use_tqdm=False)
+    text = a.outputs[0].text
+    # The shortest suffix that occurs nowhere earlier: found only in the
+    # output of the last token.
+    stop = next(
+        text[-n:]
+        for n in range(1, len(text) + 1)
+        if text.find(text[-n:]) == len(text) - n
+    )
+    root = llm.llm_engine.vllm_config.artifact_config.shm_root
+    corrupt_objects(root, [place for _, place in store_objects(root)])
+    (b,) = llm.generate([victim], greedy(8, stop=[stop]), use_tqdm=False)
+    cb = b.outputs[0]
+    assert (b.num_cached_tokens or 0) >= BLOCK_SIZE
+    assert cb.finish_reason == "error", (cb.finish_reason, cb.stop_reason)
+    assert cb.routed_experts is None
+    assert cb.routed_experts_error.startswith("ChecksumMismatchError"), cb
+    llm.reset_prefix_cache()
+
+
 def test_the_aux_output_path_does_not_run(llm):
     cfg = llm.llm_engine.vllm_config
     assert cfg.artifact_config.enable_routed_experts
