@@ -470,7 +470,9 @@ def tiny_store_llm(tiny_moe):
     _close(engine)
 
 
-def test_evicted_routes_fail_only_the_request_that_needs_them(tiny_store_llm, tiny_moe):
+def test_evicted_routes_fail_only_the_request_that_finds_them_lost(
+    tiny_store_llm, tiny_moe
+):
     from vllm.inputs import TokensPrompt
 
     llm = tiny_store_llm
@@ -495,6 +497,12 @@ def test_evicted_routes_fail_only_the_request_that_needs_them(tiny_store_llm, ti
     assert (b.num_cached_tokens or 0) >= BLOCK_SIZE
     assert cb.routed_experts is None and cb.finish_reason == "error"
     assert cb.routed_experts_error.startswith("ObjectMissingError"), cb
+    # Defect k: only the request that found the routes lost fails. The block
+    # left the prefix cache, so the same prompt again is recomputed and
+    # exact (the old code failed every hit until KV evicted the block).
+    (d,) = llm.generate([victim], greedy(2), use_tqdm=False)
+    assert_exact(tiny_moe, d.prompt_token_ids, d.outputs[0])
+    assert (d.num_cached_tokens or 0) < BLOCK_SIZE
     (c,) = llm.generate([prompt(3 * BLOCK_SIZE)], greedy(), use_tqdm=False)
     assert_exact(tiny_moe, c.prompt_token_ids, c.outputs[0])
 

@@ -176,12 +176,15 @@ class FinalizeAck:
 class AttemptFailed:
     """The worker could not publish or finalise an attempt; nothing of it
     stays retained. ``error_type`` is the exception class name, ``message``
-    says the cause and the remedy."""
+    says the cause and the remedy. ``lost_block_hash``: the KV hash of a
+    prefix-hit block whose routes are gone from the store (the scheduler
+    drops it from the prefix cache, so the next request recomputes it)."""
 
     req_id: str
     attempt: int
     error_type: str
     message: str
+    lost_block_hash: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -706,10 +706,13 @@ class ArtifactPublisher:
                     "Reset the prefix cache when you update weights "
                     "(LLM.reset_prefix_cache(), or POST /reset_prefix_cache)."
                 )
-        return ObjectMissingError(
+        error = ObjectMissingError(
             f"the routes of prefix-cache block {block} (object {key}) are not in "
-            "the artifact store: evicted or never published"
+            "the artifact store: evicted or never published; the block leaves "
+            "the prefix cache, so the next request recomputes it"
         )
+        error.lost_block_hash = block_hash  # type: ignore[attr-defined]
+        return error
 
     def _fail_in_thread(self, atts: list[_Attempt], error: BaseException) -> None:
         # The message, not the exception: a log record kept by a handler
@@ -724,4 +727,12 @@ class ArtifactPublisher:
             att.own_refs.clear()
             self._writer.release(_owner(att.aid))
             aid = att.aid
-            self._post(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
+            self._post(
+                AttemptFailed(
+                    aid[0],
+                    aid[1],
+                    type(error).__name__,
+                    str(error),
+                    getattr(error, "lost_block_hash", None),
+                )
+            )

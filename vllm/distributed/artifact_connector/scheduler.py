@@ -53,6 +53,7 @@ from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.engine import EngineCoreOutput
     from vllm.v1.request import Request
@@ -144,7 +145,12 @@ def _engine_finish(request: Request) -> bool:
 class ArtifactSchedulerConnector:
     """See the module docs."""
 
-    def __init__(self, vllm_config: VllmConfig, hash_block_size: int) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        hash_block_size: int,
+        kv_cache_manager: KVCacheManager | None = None,
+    ) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
 
         # The engine core may have turned prefix caching off after the
@@ -160,6 +166,13 @@ class ArtifactSchedulerConnector:
         # The workers (and the store's writer) exist before the scheduler.
         self._reader = ShmStoreReader(cfg.shm_root, namespace)
         self._records: dict[str, _Record] = {}
+        # Where blocks whose routes are lost are dropped from the prefix
+        # cache (only when its blocks are the hash blocks).
+        self._kv_cache_manager = (
+            kv_cache_manager
+            if vllm_config.cache_config.block_size == hash_block_size
+            else None
+        )
         self._num_finishing = 0
         self._out = _Outbox()
         # Terminal outputs to emit with the next update.
@@ -452,6 +465,8 @@ class ArtifactSchedulerConnector:
                 self._emit(record, rows, error)
             for failure in report.failures:
                 error = f"{failure.error_type}: {failure.message}"
+                if failure.lost_block_hash is not None:
+                    self._forget_prefix_block(failure.lost_block_hash)
                 record = self._finishing(failure.req_id, failure.attempt)
                 if record is not None:
                     stats.publish_s.append(now - record.ended)
@@ -493,6 +508,26 @@ class ArtifactSchedulerConnector:
                         artifact_error=to_fail[request.request_id],
                     )
                 )
+
+    def _forget_prefix_block(self, block_hash: bytes) -> None:
+        """A prefix hit found this block's routes gone (evicted from the
+        store while its KV stayed cached, or removed behind the engine):
+        drop the block from the prefix cache, so that only the request that
+        found out fails and the next one recomputes the block. The KV cache
+        still decides every hit; R3 only makes it forget blocks it cannot
+        serve routes for."""
+        manager = self._kv_cache_manager
+        if manager is None:
+            return
+        pool = manager.block_pool
+        groups = list(range(manager.num_kv_cache_groups))
+        blocks = pool.get_cached_block(block_hash, groups)  # type: ignore[arg-type]
+        if blocks:
+            pool.evict_blocks({b.block_id for b in blocks})
+            logger.warning(
+                "routes of a prefix-cache block were lost; the block leaves "
+                "the prefix cache and is recomputed by the next request"
+            )
 
     def _hold_terminal_outputs(
         self, outputs: dict[int, list[EngineCoreOutput]]
