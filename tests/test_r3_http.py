@@ -192,13 +192,29 @@ def test_stop_string_over_http(client, tiny_moe):
     _assert_choice_exact(tiny_moe, resp)
 
 
-def test_client_disconnect_leaves_the_server_exact(server, client, tiny_moe):
+def _routed_total(server) -> float:
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:routed_experts_requests_routed_total")
+    )
+
+
+def test_client_disconnect_reads_nothing_and_leaves_the_server_exact(
+    server, client, tiny_moe
+):
+    """A client that hung up gets nothing, so the engine reads nothing for
+    it (the old code read and dropped its routes): the routed-requests
+    counter does not grow."""
     import httpx
 
     body = {
-        "model": "tiny", "prompt": SHARED_PREFIX, "max_tokens": 200,
+        "model": "tiny", "prompt": SHARED_PREFIX, "max_tokens": 600,
         "temperature": 0.0, "ignore_eos": True, "stream": True,
     }  # fmt: skip
+    before = _routed_total(server)
     with httpx.stream(
         "POST", server.base_url + "/v1/completions", json=body, timeout=60
     ) as resp:
@@ -207,6 +223,8 @@ def test_client_disconnect_leaves_the_server_exact(server, client, tiny_moe):
                 break  # hang up mid-generation
     with urllib.request.urlopen(server.base_url + "/health", timeout=30) as r:
         assert r.status == 200
+    time.sleep(2.0)  # the abort reached the engine, the request drained
+    assert _routed_total(server) == before
     _assert_choice_exact(tiny_moe, _completion(client, PROMPTS[0]))
 
 

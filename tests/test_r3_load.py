@@ -9,8 +9,15 @@ The mix (drawn from a fixed seed): completions and token-in/token-out
 requests on a few shared prefixes, streamed and not, some with ``n=2`` and
 some with ``routed_experts_prompt_start``; chat completions; stop strings;
 two-turn conversations (turn 2 continues turn 1's prompt and output, and its
-leading rows must equal turn 1's whole array); and requests the client hangs
-up on mid-stream (the server aborts them).
+leading rows must equal turn 1's whole array); requests the client hangs up
+on mid-stream (the server aborts them); and requests aborted by id while
+they run (``POST /abort_requests`` for completions, the token-in/token-out
+abort). Meanwhile a controller, like an RL loop between rollout steps,
+pauses with abort, sets a new weight version, resumes (the pause clears the
+prefix cache), or aborts everything in flight (``POST /abort_requests {}``).
+An aborted request must come back with the routes of exactly the tokens it
+returned, or with none and ``RequestAbortedError`` when it had returned no
+token.
 
 ``make test`` runs ``R3_LOAD_REQUESTS`` (default 100) requests; ``make soak``
 runs 500. Afterwards ``/metrics`` must agree with what the clients saw
@@ -34,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from utils.oracle import expected_r3
-from utils.r3 import BLOCK_SIZE, PROMPTS, shm_root
+from utils.r3 import BLOCK_SIZE, PROMPTS, r3_server, shm_root
 
 pytestmark = pytest.mark.engine
 
@@ -55,13 +62,20 @@ KINDS = {  # kind: weight
     "stop": 2,
     "two_turns": 2,
     "hang_up": 2,
+    "abort_by_id": 2,
+    "tito_abort": 1,
 }
+# The controller's actions: a pause-with-abort cycle with a new weight
+# version, or an abort of everything in flight; one every 6-12 s. Requests
+# arrive over ARRIVAL_S_PER_REQUEST * NUM_REQUESTS seconds, so each action
+# meets only what is in flight then.
+CONTROLLER_ACTIONS = {"pause_new_version_resume": 2, "abort_all": 1}
+CONTROLLER_EVERY_S = (6.0, 12.0)
+ARRIVAL_S_PER_REQUEST = 0.1
 
 
 @pytest.fixture(scope="module")
 def server(tiny_moe):
-    from server import VllmServer
-
     root = shm_root()
     flags = [
         "--served-model-name", "tiny", "--enable-routed-experts",
@@ -73,8 +87,8 @@ def server(tiny_moe):
         "--artifact-config", json.dumps({"shm_root": root}),
         "--shutdown-timeout", "30",
     ]  # fmt: skip
-    with VllmServer(tiny_moe, flags, log_name="test-r3-load.log") as srv:
-        srv.shm_root = root
+    # The RL endpoints (/pause, /resume, /update_weight_version) too.
+    with r3_server(tiny_moe, flags, root, "test-r3-load.log") as srv:
         yield srv
     assert not os.path.exists(root), "the store outlived a clean shutdown"
 
@@ -99,6 +113,8 @@ class Outcome:
     hung_up: bool = False
     # two_turns: (turn 1's whole array, turn 2's choice)
     turns: tuple[np.ndarray, Choice] | None = None
+    # Choices aborted before their first token (no routes, and why).
+    aborted_early: int = 0
 
 
 def _decode(b64: str) -> np.ndarray:
@@ -132,17 +148,18 @@ class _Stream:
             else:
                 self.final[i] = c
 
-    def choices(self, prompt_ids: list[int] | None, first_row: int) -> list[Choice]:
+    def raw_choices(self, prompt_ids: list[int] | None, out: Outcome) -> list[dict]:
+        """Each choice's final chunk, with the streamed token IDs and the
+        prompt's. The base's streams send no chunk at all for a request that
+        ends without any token (an abort before the first): counted as
+        such."""
+        if not self.final and not any(self.tokens.values()):
+            out.aborted_early += 1
+            return []
         ids = prompt_ids if prompt_ids is not None else self.prompt_ids
         assert ids is not None, "no prompt token IDs in the stream"
         return [
-            Choice(
-                list(ids),
-                self.tokens[i],
-                _decode(c["routed_experts"]),
-                first_row,
-                c["finish_reason"],
-            )
+            {**c, "token_ids": self.tokens[i], "prompt_token_ids": list(ids)}
             for i, c in sorted(self.final.items())
         ]
 
@@ -152,6 +169,7 @@ class Load:
     def __init__(self, server, rng: np.random.Generator) -> None:
         self.url = server.base_url
         self.rng = rng
+        self.ids_used = 0
         vocab_lo, vocab_hi = 10, 500
         # Four shared prefixes of 2-4 blocks; prompts add 1-60 own tokens.
         self.prefixes = [
@@ -178,6 +196,29 @@ class Load:
             sp["routed_experts_prompt_start"] = int(self.rng.integers(0, 40))
         return sp
 
+    @staticmethod
+    def _choices(out: Outcome, raw: list[dict], ids, start: int) -> list[Choice]:
+        """Choices of a response; one aborted before its first token carries
+        no routes and must say why."""
+        kept = []
+        for c in raw:
+            if c.get("routed_experts") is None and c.get("finish_reason") == "abort":
+                reason = c.get("routed_experts_error") or ""
+                assert not c.get("token_ids"), f"tokens without routes: {c}"
+                assert reason.startswith("RequestAbortedError"), (out.kind, c)
+                out.aborted_early += 1
+                continue
+            kept.append(
+                Choice(
+                    list(ids if ids is not None else c["prompt_token_ids"]),
+                    c["token_ids"],
+                    _decode(c["routed_experts"]),
+                    start,
+                    c.get("finish_reason"),
+                )
+            )
+        return kept
+
     # -------------------------------------------------------------- kinds
     async def run(self, http, kind: str) -> Outcome:
         out = Outcome(kind)
@@ -193,19 +234,10 @@ class Load:
         start = min(sp.get("routed_experts_prompt_start", 0), len(ids))
         if stream:
             s = await self._sse(http, "/v1/completions", body)
-            out.choices = s.choices(ids, start)
+            out.choices = self._choices(out, s.raw_choices(ids, out), None, start)
             return
         resp = await self._post(http, "/v1/completions", body)
-        out.choices = [
-            Choice(
-                c["prompt_token_ids"],
-                c["token_ids"],
-                _decode(c["routed_experts"]),
-                start,
-                c["finish_reason"],
-            )
-            for c in resp["choices"]
-        ]
+        out.choices = self._choices(out, resp["choices"], None, start)
 
     async def completion_stream(self, http, out: Outcome) -> None:
         await self.completion(http, out, stream=True)
@@ -218,19 +250,10 @@ class Load:
         body = {"token_ids": ids, "sampling_params": sp}
         if stream:
             s = await self._sse(http, "/inference/v1/generate", body)
-            out.choices = s.choices(ids, start)
+            out.choices = self._choices(out, s.raw_choices(ids, out), None, start)
             return
         resp = await self._post(http, "/inference/v1/generate", body)
-        out.choices = [
-            Choice(
-                ids,
-                c["token_ids"],
-                _decode(c["routed_experts"]),
-                start,
-                c.get("finish_reason"),
-            )
-            for c in resp["choices"]
-        ]
+        out.choices = self._choices(out, resp["choices"], ids, start)
 
     async def tito_stream(self, http, out: Outcome) -> None:
         await self.tito(http, out, stream=True)
@@ -247,19 +270,10 @@ class Load:
         }
         if stream:
             s = await self._sse(http, "/v1/chat/completions", body)
-            out.choices = s.choices(None, 0)
+            out.choices = self._choices(out, s.raw_choices(None, out), None, 0)
             return
         resp = await self._post(http, "/v1/chat/completions", body)
-        (c,) = resp["choices"]
-        out.choices = [
-            Choice(
-                resp["prompt_token_ids"],
-                c["token_ids"],
-                _decode(c["routed_experts"]),
-                0,
-                c["finish_reason"],
-            )
-        ]
+        out.choices = self._choices(out, resp["choices"], resp["prompt_token_ids"], 0)
 
     async def chat_stream(self, http, out: Outcome) -> None:
         await self.chat(http, out, stream=True)
@@ -279,11 +293,10 @@ class Load:
         }
         if self.rng.random() < 0.5:
             s = await self._sse(http, "/v1/completions", body)
-            out.choices = s.choices(ids, 0)
+            out.choices = self._choices(out, s.raw_choices(ids, out), None, 0)
             return
-        (c,) = (await self._post(http, "/v1/completions", body))["choices"]
-        routes = _decode(c["routed_experts"])
-        out.choices = [Choice(ids, c["token_ids"], routes, 0, c["finish_reason"])]
+        resp = await self._post(http, "/v1/completions", body)
+        out.choices = self._choices(out, resp["choices"], ids, 0)
 
     async def two_turns(self, http, out: Outcome) -> None:
         ids = self.token_prompt()
@@ -295,16 +308,17 @@ class Load:
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        (c1,) = (await self._post(http, "/v1/completions", body))["choices"]
-        turn1 = Choice(ids, c1["token_ids"], _decode(c1["routed_experts"]))
+        resp = await self._post(http, "/v1/completions", body)
+        turn1 = self._choices(out, resp["choices"], ids, 0)
+        if not turn1:  # aborted before its first token
+            return
         more = self.rng.integers(*self.vocab, int(self.rng.integers(1, 40))).tolist()
-        ids2 = ids + c1["token_ids"] + more
-        (c2,) = (await self._post(http, "/v1/completions", {**body, "prompt": ids2}))[
-            "choices"
-        ]
-        turn2 = Choice(ids2, c2["token_ids"], _decode(c2["routed_experts"]))
-        out.choices = [turn1, turn2]
-        out.turns = (turn1.routes, turn2)
+        ids2 = ids + turn1[0].token_ids + more
+        resp = await self._post(http, "/v1/completions", {**body, "prompt": ids2})
+        turn2 = self._choices(out, resp["choices"], ids2, 0)
+        out.choices = turn1 + turn2
+        if turn2:
+            out.turns = (turn1[0].routes, turn2[0])
 
     async def hang_up(self, http, out: Outcome) -> None:
         body = {
@@ -327,9 +341,48 @@ class Load:
                         break  # closing the response aborts the request
         out.hung_up = True
 
+    async def abort_by_id(self, http, out: Outcome) -> None:
+        """A completion the client aborts by the id it chose (X-Request-Id;
+        prompt 0 of it is ``cmpl-<id>-0``) while it runs."""
+        self.ids_used += 1
+        rid = f"load-abort-{self.ids_used}"
+        ids = self.token_prompt()
+        body = {
+            "model": "tiny", "prompt": ids, "max_tokens": 40, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True,
+        }  # fmt: skip
+        request = asyncio.create_task(
+            self._post(http, "/v1/completions", body, {"X-Request-Id": rid})
+        )
+        await asyncio.sleep(float(self.rng.uniform(0.05, 3.0)))
+        await self._post(http, "/abort_requests", {"request_ids": [f"cmpl-{rid}-0"]})
+        out.choices = self._choices(out, (await request)["choices"], ids, 0)
+
+    async def tito_abort(self, http, out: Outcome) -> None:
+        """A token-in/token-out request aborted through its own endpoint."""
+        self.ids_used += 1
+        rid = f"load-tito-{self.ids_used}"
+        ids = self.token_prompt()
+        body = {
+            "token_ids": ids,
+            "request_id": rid,
+            "sampling_params": {
+                "max_tokens": 40,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+        }
+        request = asyncio.create_task(self._post(http, "/inference/v1/generate", body))
+        await asyncio.sleep(float(self.rng.uniform(0.05, 3.0)))
+        await http.post(
+            self.url + "/inference/v1/abort_requests",
+            json={"request_ids": [f"generate-tokens-{rid}"]},
+        )
+        out.choices = self._choices(out, (await request)["choices"], ids, 0)
+
     # -------------------------------------------------------------- HTTP
-    async def _post(self, http, path: str, body: dict) -> dict:
-        r = await http.post(self.url + path, json=body)
+    async def _post(self, http, path: str, body: dict, headers=None) -> dict:
+        r = await http.post(self.url + path, json=body, headers=headers)
         if r.status_code != 200:
             raise _Failed(f"{r.status_code}: {r.text[:300]}")
         return r.json()
@@ -353,15 +406,58 @@ class _Failed(Exception):
     pass
 
 
-async def _drive(server, kinds: list[str], rng) -> tuple[list[Outcome], float]:
+async def _control(server, http, rng, done: asyncio.Event, actions: dict) -> None:
+    """What an RL loop does between rollout steps, while the load runs."""
+    url = server.base_url
+    names, weights = zip(*CONTROLLER_ACTIONS.items())
+    p = np.array(weights, dtype=float) / sum(weights)
+    while not done.is_set():
+        try:
+            await asyncio.wait_for(done.wait(), float(rng.uniform(*CONTROLLER_EVERY_S)))
+            return
+        except asyncio.TimeoutError:
+            pass
+        action = str(rng.choice(names, p=p))
+        actions[action] = actions.get(action, 0) + 1
+        if action == "abort_all":
+            r = await http.post(url + "/abort_requests", json={})
+            assert r.status_code == 200, r.text
+            continue
+        r = await http.post(url + "/pause?mode=abort")  # clears the prefix cache
+        assert r.status_code == 200, r.text
+        version = f"load-{actions[action]}"
+        r = await http.post(
+            url + "/update_weight_version", json={"new_version": version}
+        )
+        assert r.status_code == 200, r.text
+        r = await http.post(url + "/resume")
+        assert r.status_code == 200, r.text
+
+
+async def _drive(
+    server, kinds: list[str], rng, control_rng
+) -> tuple[list[Outcome], float, dict]:
     import httpx
 
     load = Load(server, rng)
     limits = httpx.Limits(max_connections=len(kinds) + 8)
+    actions: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=900, limits=limits) as http:
         t0 = time.monotonic()
-        outs = await asyncio.gather(*(load.run(http, k) for k in kinds))
-        return list(outs), time.monotonic() - t0
+        done = asyncio.Event()
+        control = asyncio.create_task(
+            _control(server, http, control_rng, done, actions)
+        )
+        arrivals = rng.uniform(0, ARRIVAL_S_PER_REQUEST * len(kinds), len(kinds))
+
+        async def arrive(kind: str, at: float) -> Outcome:
+            await asyncio.sleep(at)
+            return await load.run(http, kind)
+
+        outs = await asyncio.gather(*(arrive(k, a) for k, a in zip(kinds, arrivals)))
+        done.set()
+        await control
+        return list(outs), time.monotonic() - t0, actions
 
 
 def _metric(server, name: str) -> float:
@@ -404,13 +500,16 @@ def test_concurrent_mixed_load_is_exact(server, tiny_moe):
     kinds = [str(k) for k in rng.choice(names, size=NUM_REQUESTS, p=p)]
     before = {name: _metric(server, name) for name in COUNTERS}
 
-    outcomes, wall_s = asyncio.run(_drive(server, kinds, rng))
+    outcomes, wall_s, actions = asyncio.run(
+        _drive(server, kinds, rng, np.random.default_rng(SEED + 1))
+    )
 
     # Every returned array, row by row, against transformers' router.
     t = time.monotonic()
-    checked = stops = 0
+    checked = stops = aborted = 0
     for o in outcomes:
         for c in o.choices:
+            aborted += c.finish_reason == "abort"
             want = expected_r3(tiny_moe, c.prompt_ids, c.token_ids)
             np.testing.assert_array_equal(
                 c.routes, want[c.first_row :], err_msg=f"{o.kind}: routes differ"
@@ -434,6 +533,9 @@ def test_concurrent_mixed_load_is_exact(server, tiny_moe):
         "by_kind": {k: kinds.count(k) for k in KINDS},
         "sequences_checked": checked,
         "stopped_by_stop_string": stops,
+        "aborted_with_routes": aborted,
+        "aborted_before_first_token": sum(o.aborted_early for o in outcomes),
+        "controller_actions": actions,
         "hung_up": hung_up,
         "preemptions": grew["vllm:num_preemptions_total"],
         "errors_by_cause": errors,
@@ -455,7 +557,14 @@ def test_concurrent_mixed_load_is_exact(server, tiny_moe):
     assert errors == {}, [o.error for o in outcomes if o.error][:5]
     assert summary["preemptions"] > 0, "the KV cache was large enough"
     assert hung_up == kinds.count("hang_up")
-    assert checked >= NUM_REQUESTS - hung_up
+    # Every request the client waited for came back: each choice with its
+    # routes, or aborted before its first token saying why.
+    unanswered = [
+        o.kind
+        for o in outcomes
+        if not (o.choices or o.aborted_early or o.hung_up or o.error)
+    ]
+    assert unanswered == [], unanswered
     # /metrics agrees with what the clients saw: every returned sequence
     # had routes, and nothing was read for a client that hung up (its abort
     # reaches the engine as one whose caller is gone).

@@ -67,6 +67,22 @@ def abort_items(req_ids: Iterable[str], caller_waits: bool) -> list[Any]:
     return [[req_id, False] for req_id in req_ids]
 
 
+def engine_abort_items(
+    processor: OutputProcessor, req_ids: list[str]
+) -> tuple[list[Any], list[str]]:
+    """After ``processor.abort_requests``: the ABORT payload for the engine
+    and the ids the frontend holds for their routes. Only those are sent as
+    requests whose caller waits; the frontend already answered the others
+    (a caller gone, or aborted before its first token), so the engine reads
+    nothing for them even if a token was on its way."""
+    states = processor.request_states
+    held = [r for r in req_ids if (st := states.get(r)) is not None and is_pending(st)]
+    kept = set(held)
+    return abort_items(held, True) + abort_items(
+        [r for r in req_ids if r not in kept], False
+    ), held
+
+
 def abort_item_id(item: Any) -> str:
     """The request id of one :func:`abort_items` entry."""
     return item if isinstance(item, str) else item[0]
@@ -84,6 +100,33 @@ def split_abort_items(items: Iterable[Any]) -> tuple[list[str], list[str]]:
     return ids, gone
 
 
+# Why an aborted request that had returned no token carries no routes.
+ABORTED_BEFORE_FIRST_TOKEN = (
+    "RequestAbortedError: aborted before its first token; no routes were "
+    "computed for it"
+)
+
+
+def routes_missing_reason(
+    req_state: RequestState, output: EngineCoreOutput
+) -> str | None:
+    """The reason a terminal output without routes (and without the engine's
+    own reason) gives: an abort by the engine (a pause, a shutdown) of a
+    request that had returned no token. None otherwise (or if set)."""
+    from vllm.v1.engine import FinishReason
+
+    if (
+        output.finish_reason != FinishReason.ABORT
+        or output.routed_experts is not None
+        or req_state.routed_experts_error is not None
+        or output.new_token_ids
+        or req_state.detokenizer is None
+        or req_state.detokenizer.num_output_tokens()
+    ):
+        return req_state.routed_experts_error
+    return ABORTED_BEFORE_FIRST_TOKEN
+
+
 def hold_abort(req_state: RequestState) -> bool:
     """An explicit abort of a request that returned tokens: keep it until
     the engine's terminal output brings the routes (returns True), with a
@@ -95,10 +138,7 @@ def hold_abort(req_state: RequestState) -> bool:
         return True  # already ends at its stop string
     detok = req_state.detokenizer
     if detok is None or detok.num_output_tokens() == 0:
-        req_state.routed_experts_error = (
-            "RequestAbortedError: aborted before its first token; no routes "
-            "were computed for it"
-        )
+        req_state.routed_experts_error = ABORTED_BEFORE_FIRST_TOKEN
         return False
     req_state.pending_abort_deadline = time.monotonic() + ABORT_WAIT_S
     return True
