@@ -97,6 +97,17 @@ def _event(n: int) -> asyncio.Event:
     return ev
 
 
+async def _running(engine, ids, max_tokens: int, request_id: str, tokens: int):
+    """Start a greedy request; return its task once it has returned
+    ``tokens`` tokens."""
+    seen = _event(tokens)
+    task = asyncio.create_task(
+        _collect(engine.llm, ids, greedy(max_tokens), request_id, seen)
+    )
+    await asyncio.wait_for(seen.wait(), 120)
+    return task
+
+
 def test_explicit_abort_returns_routes_of_the_returned_tokens(engine, tiny_moe):
     """AsyncLLM.abort(request_id) by the caller (verl, SkyRL): the final
     ABORT output holds the tokens it was sent and routes covering exactly
@@ -105,11 +116,7 @@ def test_explicit_abort_returns_routes_of_the_returned_tokens(engine, tiny_moe):
     ids = engine.tokens(PROMPTS[0])
 
     async def scenario():
-        seen = _event(4)
-        task = asyncio.create_task(
-            _collect(engine.llm, ids, greedy(400), "abort-me", seen)
-        )
-        await asyncio.wait_for(seen.wait(), 120)
+        task = await _running(engine, ids, 400, "abort-me", 4)
         await engine.llm.abort("abort-me")
         return await asyncio.wait_for(task, 120)
 
@@ -188,11 +195,7 @@ def test_abort_while_a_preempted_request_recomputes(engine, tiny_moe):
     ids = _long_prompt(engine, 2)
 
     async def scenario():
-        seen = _event(3)
-        task = asyncio.create_task(
-            _collect(engine.llm, ids, greedy(200), "recompute", seen)
-        )
-        await asyncio.wait_for(seen.wait(), 120)
+        task = await _running(engine, ids, 200, "recompute", 3)
         # Preempts every running request (its KV is gone: it recomputes
         # from the first token).
         assert await engine.llm.reset_prefix_cache(reset_running_requests=True)
@@ -212,9 +215,7 @@ def test_a_cancelled_generate_retains_nothing(engine, tiny_moe):
     ids = engine.tokens(PROMPTS[2])
 
     async def scenario():
-        seen = _event(3)
-        task = asyncio.create_task(_collect(engine.llm, ids, greedy(400), "gone", seen))
-        await asyncio.wait_for(seen.wait(), 120)
+        task = await _running(engine, ids, 400, "gone", 3)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -230,11 +231,7 @@ def test_verls_pause_call_aborts_with_routes_and_pauses(engine, tiny_moe):
     ids = engine.tokens(PROMPTS[3])
 
     async def scenario():
-        seen = _event(4)
-        task = asyncio.create_task(
-            _collect(engine.llm, ids, greedy(400), "paused", seen)
-        )
-        await asyncio.wait_for(seen.wait(), 120)
+        task = await _running(engine, ids, 400, "paused", 4)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             await engine.llm.pause_generation(

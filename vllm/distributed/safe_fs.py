@@ -19,7 +19,7 @@ import contextlib
 import os
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 SHM_BASE = "/dev/shm"
 
@@ -140,6 +140,32 @@ def shm_subdir(root: str, *, error: type[Exception] = UnsafePathError) -> str:
     return real
 
 
+def _walk_private_shm_dir(
+    root: str,
+    error: type[Exception],
+    visit: Callable[[str, int, str], bool],
+) -> bool:
+    """Walk ``root``'s components under ``/dev/shm`` by directory fd (no
+    symlink is ever followed): ``visit(name, parent_fd, path)`` first, which
+    returns False to stop (the walk then returns False), then the component
+    is opened as a private directory (ours, no group/other access)."""
+    real = shm_subdir(root, error=error)
+    base = os.path.realpath(SHM_BASE)
+    parent_fd = os.open(base, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    try:
+        path = base
+        for part in os.path.relpath(real, base).split(os.sep):
+            path = os.path.join(path, part)
+            if not visit(part, parent_fd, path):
+                return False
+            fd = open_private_dir(part, dir_fd=parent_fd, error=error)
+            os.close(parent_fd)
+            parent_fd = fd
+    finally:
+        os.close(parent_fd)
+    return True
+
+
 def ensure_private_shm_dir(
     root: str, *, error: type[Exception] = UnsafePathError
 ) -> str:
@@ -147,19 +173,14 @@ def ensure_private_shm_dir(
     check every component on the way (created or already there): a
     directory, not a symlink, owned by us, no group/other access. Returns
     the canonical path."""
-    real = shm_subdir(root, error=error)
-    base = os.path.realpath(SHM_BASE)
-    parent_fd = os.open(base, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-    try:
-        for part in os.path.relpath(real, base).split(os.sep):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o700, dir_fd=parent_fd)
-            fd = open_private_dir(part, dir_fd=parent_fd, error=error)
-            os.close(parent_fd)
-            parent_fd = fd
-    finally:
-        os.close(parent_fd)
-    return real
+
+    def make(part: str, parent_fd: int, path: str) -> bool:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, 0o700, dir_fd=parent_fd)
+        return True
+
+    _walk_private_shm_dir(root, error, make)
+    return shm_subdir(root, error=error)
 
 
 def check_private_shm_dir(
@@ -169,28 +190,20 @@ def check_private_shm_dir(
     would, creating nothing: every component that exists must be a
     directory, not a symlink, owned by us, with no group/other access.
     Returns whether ``root`` exists."""
-    real = shm_subdir(root, error=error)
-    base = os.path.realpath(SHM_BASE)
-    parent_fd = os.open(base, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-    try:
-        path = base
-        for part in os.path.relpath(real, base).split(os.sep):
-            path = os.path.join(path, part)
-            try:
-                st = os.stat(part, dir_fd=parent_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return False
-            if stat.S_ISLNK(st.st_mode):
-                raise error(f"{path!r} is a symlink; refusing it")
-            # From the entry itself: a directory of another user may not be
-            # openable at all.
-            check_owned(st, f"directory {path!r}", directory=True, error=error)
-            fd = open_private_dir(part, dir_fd=parent_fd, error=error)
-            os.close(parent_fd)
-            parent_fd = fd
-    finally:
-        os.close(parent_fd)
-    return True
+
+    def check(part: str, parent_fd: int, path: str) -> bool:
+        try:
+            st = os.stat(part, dir_fd=parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            raise error(f"{path!r} is a symlink; refusing it")
+        # From the entry itself: a directory of another user may not be
+        # openable at all.
+        check_owned(st, f"directory {path!r}", directory=True, error=error)
+        return True
+
+    return _walk_private_shm_dir(root, error, check)
 
 
 def make_private_shm_dir(

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import time
 from copy import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -95,6 +96,7 @@ class CaptureState:
         return rows.to(self._dtype)
 
 
+@dataclass(eq=False)
 class PendingArtifactStep:
     """One step's captured rows on their way to the host: built on the main
     thread (which attempt each request belongs to *now*, so late rows never
@@ -102,23 +104,15 @@ class PendingArtifactStep:
     copied on the output copy stream, processed where Model Runner V2
     produces the step's output."""
 
-    def __init__(
-        self,
-        connector: ArtifactWorkerConnector,
-        attempts: list[AttemptId],
-        weight_version: str,
-        starts: np.ndarray,
-        query_start_loc: np.ndarray,
-        device_rows: torch.Tensor,
-    ) -> None:
-        self.connector = connector
-        self.attempts = attempts
-        self.weight_version = weight_version
-        self.starts = starts
-        self.query_start_loc = query_start_loc
-        self.device_rows = device_rows
-        self.rows: np.ndarray | None = None
-        self.num_rejected: np.ndarray | None = None
+    connector: ArtifactWorkerConnector
+    attempts: list[AttemptId]
+    weight_version: str
+    starts: np.ndarray
+    query_start_loc: np.ndarray
+    device_rows: torch.Tensor
+    # Set by enqueue_cpu_copy.
+    rows: np.ndarray | None = None
+    num_rejected: np.ndarray | None = None
 
     def enqueue_cpu_copy(self, num_rejected: np.ndarray) -> None:
         """Start the device-to-host copy; call on the output copy stream."""
