@@ -13,6 +13,10 @@ meant for tests and the demo on machines without a GPU, never for serving.
 start-up, so it is active in every process vLLM spawns (API server, EngineCore,
 workers). It does nothing unless ``VLLM_FORK_CPU_HARNESS=1``, and nothing when a
 real ``cpu`` Triton backend is installed.
+
+With the flag set it also installs ``cpu_parallel`` (what MoE data and expert
+parallelism need from the CPU backend: variable-size collectives, experts that
+honour the expert map).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ def install() -> bool:
     """Register the interpreter-backed ``cpu`` backend; return True if active."""
     if os.environ.get(ENV_FLAG) != "1":
         return False
+    import cpu_parallel
+
+    cpu_parallel.install()
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         import triton.backends as tb
