@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Both sides of the Artifact Connector wired together without a model, to
+force interleavings the engine produces only by chance: the real scheduler
+connector (built from a real ``VllmConfig`` of the tiny MoE) and the real
+publisher on a real ``/dev/shm`` store, driven by real ``Request`` objects
+with the prefix cache's block hasher. The scheduler's ``finish_requests`` is
+reduced to what it does for the connector (status, then ``on_finish``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from utils.r3 import shm_root
+
+B = 32  # hash block size (the config's block size)
+
+
+class TwoSides:
+    def __init__(self, model) -> None:
+        from vllm.config.artifact import routed_experts_row_spec
+        from vllm.distributed.artifact_connector.buffer import RowSlab
+        from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
+        from vllm.distributed.artifact_connector.request_core import KeySpace
+        from vllm.distributed.artifact_connector.scheduler import (
+            ArtifactSchedulerConnector,
+        )
+        from vllm.distributed.artifact_connector.shm import ShmStoreWriter
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import (
+            get_request_block_hasher,
+            init_none_hash,
+        )
+
+        self.root = shm_root()
+        cfg = EngineArgs(
+            model=str(model),
+            block_size=B,
+            dtype="float32",
+            max_model_len=1024,
+            enable_routed_experts=True,
+            artifact_config={"shm_root": self.root, "capacity_bytes": 4 << 20},
+        ).create_engine_config()
+        art = cfg.artifact_config
+        ns = art.namespace(0)
+        self.spec = routed_experts_row_spec(cfg)
+        self.keys = KeySpace(ns)
+        self.writer = ShmStoreWriter(
+            art.shm_root, ns, capacity_bytes=art.capacity_bytes
+        )
+        self.pub = ArtifactPublisher(
+            self.writer, self.spec, RowSlab(self.spec, B, 64), self.keys
+        )
+        self.sched = ArtifactSchedulerConnector(cfg, hash_block_size=B)
+        hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(B, hash_fn)
+        self.requests: dict = {}
+
+    def request(self, req_id: str, num_prompt: int, max_tokens: int = 50):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request, RequestStatus
+
+        prompt = np.random.default_rng(len(req_id)).integers(10, 400, num_prompt)
+        request = Request(
+            req_id,
+            prompt.tolist(),
+            SamplingParams(max_tokens=max_tokens),
+            None,
+            block_hasher=self.hasher,
+        )
+        request.status = RequestStatus.RUNNING
+        self.requests[req_id] = request
+        return request
+
+    def rows(self, start: int, n: int) -> np.ndarray:
+        layers, top_k = self.spec.row_shape
+        pos = np.arange(start, start + n)[:, None, None]
+        ids = (pos * 3 + np.arange(layers * top_k).reshape(layers, top_k)) % 8
+        return ids.astype(self.spec.dtype)
+
+    def step(self, new=(), rows=()):
+        """One engine step: schedule (the meta), the worker's messages and
+        rows ``(request, attempt, start, n)``, its one flush, then the
+        scheduler's update; returns the outputs per client."""
+        from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [NewRequestData.from_request(r, ([],)) for r in new]
+        self.pub.apply(self.sched.build_meta(so, self.requests))
+        for req_id, attempt, start, n in rows:
+            self.pub.write_step([(req_id, attempt)], [start], [n], self.rows(start, n))
+        self.pub.flush()
+        self.pub.wait_idle(10)
+        outputs: dict = defaultdict(list)
+        self.sched.update_from_output(self.pub.report(), outputs, self.finish)
+        return outputs
+
+    def finish(self, req_ids, status):
+        done = []
+        for req_id in req_ids:
+            request = self.requests.pop(req_id)
+            request.status = status
+            self.sched.on_finish(request)
+            done.append(request)
+        return done
+
+    def preempt(self, request) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.sched.on_preempt(request)  # before the blocks are freed
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+
+    def published(self, block_hash: bytes) -> bool:
+        key = self.keys.key("default", block_hash, B, tail=False)
+        return self.writer.lookup([key])[0] is not None
+
+    def close(self) -> None:
+        self.sched.close()
+        self.pub.close()
+
+
+@pytest.fixture
+def sides(tiny_moe):
+    s = TwoSides(tiny_moe)
+    yield s
+    s.close()
+
+
+def test_a_block_completed_in_flight_of_a_preempted_attempt_is_published(sides):
+    """Defect b: the token that completes block 1 was appended by the step
+    before the one whose schedule() preempts the request, so its hash became
+    known only then. The old scheduler stopped sending hashes to a preempted
+    attempt: the block, computed and cached in the KV cache, never got its
+    routes, and a resumed request hitting it failed."""
+    r = sides.request("b", 2 * B - 1)
+    sides.step(new=[r], rows=[("b", 1, 0, 2 * B - 1)])  # the prefill's rows
+    assert sides.published(r.block_hashes[0])
+    r.append_output_token_ids(7)  # sampled by the prefill: 2 * B tokens
+    r.num_computed_tokens = 2 * B  # its decode is in flight (row 2B - 1)
+    assert len(r.block_hashes) == 2
+    # The next schedule() preempts it before building the meta; the decode
+    # in flight returns its row, tagged with attempt 1.
+    sides.preempt(r)
+    sides.step(rows=[("b", 1, 2 * B - 1, 1)])
+    assert sides.published(r.block_hashes[1])
+
+
+def test_a_failure_of_a_preempted_attempt_fails_the_request_at_once(sides):
+    """Defect e: the old scheduler dropped the failure of an attempt that was
+    preempted; a finish of the request then waited 60 s for an
+    acknowledgement that never came (ArtifactAckTimeout), and a pause
+    blocked as long."""
+    from vllm.v1.engine import FinishReason
+
+    r = sides.request("e", B + 4)
+    sides.step(new=[r], rows=[("e", 1, 0, B + 4)])
+    r.append_output_token_ids(7)
+    r.num_computed_tokens = B + 5
+    sides.preempt(r)
+    # A step in flight returns rows that leave a gap: the attempt fails.
+    outputs = sides.step(rows=[("e", 1, B + 6, 1)])
+    (out,) = outputs[0]
+    assert out.request_id == "e"
+    assert out.finish_reason == FinishReason.ERROR
+    assert out.artifact_error.startswith("RowGapError"), out.artifact_error
+    assert "e" not in sides.requests
+    assert sides.sched.stats() == {"records": 0, "ready": 0}
+    sides.step()  # the drain and release reach the worker
+    assert sides.pub.stats()["attempts"] == 0
