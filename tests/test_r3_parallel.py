@@ -30,6 +30,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness_env import run_tmpdir
 from utils.oracle import expected_r3
 from utils.r3 import (
     BLOCK_SIZE,
@@ -428,15 +430,23 @@ def tp2_ep_llm(tiny_moe, no_ep_routes):
     from vllm import LLM
 
     _stop_all()  # the reference engine stops first
-    with _env(**BIND_TWO_CORES):
-        engine = LLM(
-            **engine_kwargs(
-                tiny_moe, tensor_parallel_size=2, enable_expert_parallel=True
+    # A private TMPDIR for the engine's processes: its file:// rendezvous
+    # then cannot be removed by another test session's clean-up of
+    # .cache/tmp while the ranks meet (seen here: both workers hung in
+    # init_process_group).
+    tmp = run_tmpdir("tp2-ep")
+    try:
+        with _env(TMPDIR=str(tmp), **BIND_TWO_CORES):
+            engine = LLM(
+                **engine_kwargs(
+                    tiny_moe, tensor_parallel_size=2, enable_expert_parallel=True
+                )
             )
-        )
-    _ENGINES.append(engine)
-    yield engine
-    _stop(engine)
+        _ENGINES.append(engine)
+        yield engine
+        _stop(engine)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_ep_tp2_routes_are_logical_expert_ids(tp2_ep_llm, tiny_moe, no_ep_routes):
