@@ -126,6 +126,42 @@ def test_explicit_abort_returns_routes_of_the_returned_tokens(engine, tiny_moe):
     assert_exact(tiny_moe, ids, out)
 
 
+def test_an_abort_the_engine_never_answers_ends_with_the_reason(engine):
+    """The frontend's bound on an explicit abort: when the engine sends no
+    terminal output (here: the abort held in the frontend is never sent),
+    the request ends at its deadline without routes, saying why, instead of
+    waiting forever."""
+    from vllm.distributed.artifact_connector.frontend import (
+        abort_items,
+        expire_pending_aborts,
+        hold_abort,
+    )
+
+    ids = engine.tokens(PROMPTS[1])
+
+    async def scenario():
+        task = await _running(engine, ids, 400, "unanswered", 2)
+        op = engine.llm.output_processor
+        (internal,) = op.external_req_ids["unanswered"]
+        state = op.request_states[internal]
+        assert hold_abort(state)
+        state.pending_abort_deadline = 0.0  # long past
+        expire_pending_aborts(op, [internal])
+        out = await asyncio.wait_for(task, 30)
+        # The frontend is done with it; the engine gets the abort now.
+        await engine.llm.engine_core.abort_requests_async(
+            abort_items([internal], caller_waits=False)
+        )
+        return out
+
+    out = engine.run(scenario()).outputs[0]
+    assert out.finish_reason == "abort"
+    assert out.routed_experts is None
+    assert out.routed_experts_error.startswith("ArtifactAbortTimeout"), (
+        out.routed_experts_error
+    )
+
+
 def test_abort_before_the_first_token_says_why(engine, tiny_moe):
     ids = engine.tokens(PROMPTS[1] * 8)
 
