@@ -389,7 +389,12 @@ def test_engines_ran_on_model_runner_v2(runs):
 
 
 def test_shape_dtype_and_no_error(runs):
-    for name in FORK_CASES:
+    # Every fork case that ran (the TP cases do not on one GPU); none at all
+    # is a skip.
+    ran = [name for name in FORK_CASES if name in runs]
+    if not ran:
+        _skip("no fork case ran")
+    for name in ran:
         r = _need(runs, name)
         L, K, E = r.meta["num_hidden_layers"], r.meta["top_k"], r.meta["num_experts"]
         assert r.meta.get("shm_root_left") is False, (name, "store left in /dev/shm")
