@@ -57,6 +57,13 @@ class _Engine:
 
     def close(self) -> None:
         self.llm.shutdown()
+        # Let the cancelled output tasks finish on their loop, so their zmq
+        # sockets are closed: a socket left open makes the context's term()
+        # (run by the garbage collector, maybe in a later test) block.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
 
