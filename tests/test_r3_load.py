@@ -66,12 +66,12 @@ KINDS = {  # kind: weight
     "tito_abort": 1,
 }
 # The controller's actions: a pause-with-abort cycle with a new weight
-# version, or an abort of everything in flight; one every 6-12 s. Requests
+# version, or an abort of everything in flight; one every 8-16 s. Requests
 # arrive over ARRIVAL_S_PER_REQUEST * NUM_REQUESTS seconds, so each action
 # meets only what is in flight then.
 CONTROLLER_ACTIONS = {"pause_new_version_resume": 2, "abort_all": 1}
-CONTROLLER_EVERY_S = (6.0, 12.0)
-ARRIVAL_S_PER_REQUEST = 0.1
+CONTROLLER_EVERY_S = (8.0, 16.0)
+ARRIVAL_S_PER_REQUEST = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -566,9 +566,10 @@ def test_concurrent_mixed_load_is_exact(server, tiny_moe):
     ]
     assert unanswered == [], unanswered
     # /metrics agrees with what the clients saw: every returned sequence
-    # had routes, and nothing was read for a client that hung up (its abort
-    # reaches the engine as one whose caller is gone).
-    assert summary["metrics_routed"] == checked, summary
+    # had routes. Nothing is read for a client that hung up (its abort
+    # reaches the engine as one whose caller is gone), unless its request
+    # finished before the server noticed the hang-up.
+    assert checked <= summary["metrics_routed"] <= checked + hung_up, summary
     assert summary["metrics_failures"] == 0, summary
     # Once idle, no request holds anything in the store.
     assert summary["retained_after"] == 0, summary
