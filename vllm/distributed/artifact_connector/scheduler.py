@@ -119,8 +119,8 @@ class _Outbox:
     releases: list[Release] = field(default_factory=list)
     weight_version: str | None = None
 
-    def take(self) -> ArtifactSchedulerMeta:
-        meta = ArtifactSchedulerMeta(
+    def meta(self) -> ArtifactSchedulerMeta:
+        return ArtifactSchedulerMeta(
             weight_version=self.weight_version,
             starts=tuple(self.starts),
             hashes=tuple(self.hashes),
@@ -128,8 +128,6 @@ class _Outbox:
             discards=tuple(self.discards),
             releases=tuple(self.releases),
         )
-        self.__init__()  # type: ignore[misc]
-        return meta
 
 
 def _engine_finish(request: Request) -> bool:
@@ -205,7 +203,9 @@ class ArtifactSchedulerConnector:
                 # one held: drain the parked one.
                 self._discard(record, parked)
                 record.parked = None
-        return self._out.take()
+        # Messages queued from now on go with the next step.
+        out, self._out = self._out, _Outbox()
+        return out.meta()
 
     def _start_attempt(self, record: _Record, request: Request, cached: int) -> None:
         bs = self.block_size
