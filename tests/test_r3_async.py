@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import warnings
 
 import pytest
@@ -22,6 +23,7 @@ from utils.r3 import (
     engine_kwargs,
     greedy,
     pickled_rpc,
+    store_objects,
 )
 
 pytestmark = pytest.mark.engine
@@ -39,7 +41,9 @@ class _Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.loop = asyncio.new_event_loop()
         # Chunked prefill: a long prompt takes several steps.
-        args = AsyncEngineArgs(**engine_kwargs(model, max_num_batched_tokens=64))
+        kwargs = engine_kwargs(model, max_num_batched_tokens=64)
+        self.root = kwargs["artifact_config"]["shm_root"]
+        args = AsyncEngineArgs(**kwargs)
         self.llm = self.run(self._start(AsyncLLM, args))
 
     @staticmethod
@@ -209,14 +213,16 @@ def test_blocks_of_an_attempt_aborted_mid_prefill_are_published(engine, tiny_moe
     ids = _long_prompt(engine, 1, 30 * 32 + 5)
 
     async def scenario():
-        busy = asyncio.create_task(
-            _collect(engine.llm, engine.tokens(PROMPTS[0]), greedy(150), "busy")
-        )
+        busy = await _running(engine, engine.tokens(PROMPTS[0]), 300, "busy", 2)
+        before = {k for k, _ in store_objects(engine.root)}
         task = asyncio.create_task(_collect(engine.llm, ids, greedy(4), "mid-prefill"))
-        op = engine.llm.output_processor
-        while "mid-prefill" not in op.external_req_ids:
-            await asyncio.sleep(0)
-        await asyncio.sleep(0.2)  # a few chunks computed, one in flight
+        # Each step now decodes one busy token (one block per 32 steps) and
+        # prefills 63 of the 965-token prompt (two blocks): 3 new objects
+        # mean a few chunks are computed and about 13 to go, on any machine.
+        deadline = time.monotonic() + 60
+        while len({k for k, _ in store_objects(engine.root)} - before) < 3:
+            assert time.monotonic() < deadline, "the prefill never published"
+            await asyncio.sleep(0.002)
         await engine.llm.abort("mid-prefill")
         aborted = await asyncio.wait_for(task, 120)
         again = await _collect(engine.llm, ids, greedy(4), "same-prompt")

@@ -173,6 +173,22 @@ class _Running:
         return self.result
 
 
+@contextlib.contextmanager
+def _frozen(server):
+    """The engine's running requests frozen in place (``/pause?mode=keep``)
+    for the body, then resumed: a fault made inside lands while a
+    ``_Running`` request is mid-run however fast the machine decodes (a
+    700-token request once finished before an ``rm -rf`` on a fast CI
+    machine)."""
+    status, body = http_post(server.base_url, "/pause?mode=keep&clear_cache=false")
+    assert status == 200, body
+    try:
+        yield
+    finally:
+        status, body = http_post(server.base_url, "/resume")
+        assert status == 200, body
+
+
 def _wait_new_objects(root: str, before: set[str], n: int, timeout: float = 60):
     """Objects published since ``before`` (at least ``n`` of them)."""
     deadline = time.monotonic() + timeout
@@ -259,8 +275,9 @@ def test_object_corrupted_while_its_request_runs(server, tiny_moe):
     before = {k for k, _ in store_objects(server.shm_root)}
     run = _Running(server, _prompt("corrupt-mid-run", repeat=2))
     new = _wait_new_objects(server.shm_root, before, 2)
-    corrupt_objects(server.shm_root, [place for _, place in new])
-    assert run.alive(), "the request finished before the corruption"
+    with _frozen(server):
+        assert run.alive(), "the request finished before the corruption"
+        corrupt_objects(server.shm_root, [place for _, place in new])
     status, body = run.join()
     kind = _typed_error(status, body)
     _record("2a object corrupted mid-run", answer=kind, objects=len(new))
@@ -305,9 +322,10 @@ def test_arena_deleted_while_its_request_runs(server, tiny_moe):
     arenas = sorted({aid for _, (aid, _) in new})
     paths = [os.path.join(root, ns, f"{aid:016x}.arena") for aid in arenas]
     mapped = [_mapped_read_only(server.proc.pid, p) for p in paths]
-    for p in paths:
-        os.unlink(p)
-    assert run.alive(), "the request finished before the arena was deleted"
+    with _frozen(server):
+        assert run.alive(), "the request finished before the arena was deleted"
+        for p in paths:
+            os.unlink(p)
     answer = _exact_or_typed(tiny_moe, *run.join())
     following = _following(server, tiny_moe, "unlink")
     _record(
@@ -342,8 +360,9 @@ def test_store_directory_made_unreadable(server, tiny_moe):
     before = {k for k, _ in store_objects(root)}
     run = _Running(server, _prompt("rmtree-mid-run", repeat=2))
     _wait_new_objects(root, before, 2)
-    shutil.rmtree(root)
-    assert run.alive(), "the request finished before the store was removed"
+    with _frozen(server):
+        assert run.alive(), "the request finished before the store was removed"
+        shutil.rmtree(root)
     removed_answer = _exact_or_typed(tiny_moe, *run.join())
     following = _following(server, tiny_moe, "rmtree")
     _record(
@@ -495,8 +514,10 @@ def _sigkill_all(srv) -> None:
     srv._log.close()
 
 
-def test_engine_sigkilled_mid_run_and_restarted_on_the_same_root(tiny_moe):
+def test_engine_sigkilled_mid_run_and_restarted_on_the_same_root(tiny_moe, monkeypatch):
     from server import VllmServer
+
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # /pause, for _frozen
 
     root = f"/dev/shm/vart-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     flags = serve_flags(root)
@@ -509,7 +530,9 @@ def test_engine_sigkilled_mid_run_and_restarted_on_the_same_root(tiny_moe):
         before = {k for k, _ in store_objects(root)}
         run = _Running(srv, _prompt("kill-mid-run", repeat=2))
         _wait_new_objects(root, before, 2)
-        assert run.alive(), "the request finished before the kill"
+        with _frozen(srv):
+            assert run.alive(), "the request finished before the kill"
+        # Killed right after the resume, so the engine dies stepping.
         _sigkill_all(srv)
         client_saw = run.join()
     finally:

@@ -192,14 +192,33 @@ def test_stop_string_over_http(client, tiny_moe):
     _assert_choice_exact(tiny_moe, resp)
 
 
-def _routed_total(server) -> float:
+def _counter(server, name: str) -> float:
     with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:routed_experts_requests_routed_total")
+        if line.startswith(name + "{") or line.startswith(name + " ")
     )
+
+
+def _routed_total(server) -> float:
+    return _counter(server, "vllm:routed_experts_requests_routed_total")
+
+
+def _start_decoding(server, run) -> threading.Thread:
+    """``run()`` (one long request) on a thread, returned once the engine
+    has generated a few of its tokens: an abort sent then lands mid-decode
+    however fast the machine is (a fixed sleep does not)."""
+    before = _counter(server, "vllm:generation_tokens_total")
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 60
+    while _counter(server, "vllm:generation_tokens_total") < before + 4:
+        assert t.is_alive(), "the request ended before it decoded"
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.01)
+    return t
 
 
 def test_client_disconnect_reads_nothing_and_leaves_the_server_exact(
@@ -236,9 +255,7 @@ def test_pause_with_abort_returns_routes_of_the_returned_tokens(
     def long_request():
         result["resp"] = _completion(client, PROMPTS[1], max_tokens=600)
 
-    t = threading.Thread(target=long_request)
-    t.start()
-    time.sleep(3.0)  # the request is decoding
+    t = _start_decoding(server, long_request)
     status, body = _post(server, "/pause?mode=abort")
     assert status == 200, body
     t.join(timeout=120)
@@ -257,9 +274,7 @@ def _abort_while_decoding(server, run, abort_path: str, abort_body: dict):
     """Start ``run()`` (a long request) on a thread, let it decode, then
     POST ``abort_body`` to ``abort_path``; returns what ``run`` returned."""
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(out=run()))
-    t.start()
-    time.sleep(3.0)  # the request is decoding
+    t = _start_decoding(server, lambda: result.update(out=run()))
     status, body = _post(server, abort_path, abort_body)
     assert status == 200, body
     t.join(timeout=120)
