@@ -18,6 +18,14 @@ against copying the same bytes with numpy, measured in the same run:
 * ``materialise_*``: reading back a finished 32k-token request (2048
   objects, 12 MiB: checksums, envelopes, copy), published as prefill chunks
   (adjacent) or one block per step among 15 other requests (interleaved).
+* ``finish_batch``: a step in which 256 requests finish together (RL
+  rollouts of one ``max_tokens``), their objects published one block per
+  step. Engine-thread time of today's path (one ``read_rows`` per request
+  on the engine thread, the baseline), of one ``read_batch`` of all of
+  them, and of handing them to the ``RouteReader`` (``submit`` plus
+  ``take_done``); the time until the reader has every array; the longest
+  gap of a ticking engine-thread loop while the reader works (what the
+  interpreter lock costs it), against the same loop alone.
 * ``stall``: the worst and 99.9th-percentile calling-thread time of a step
   over 10,000 steps (write + flush; a 1 ms sleep stands in for the GPU)
   while arenas are started and evicted, the log is compacted and stale
@@ -63,8 +71,11 @@ from vllm.distributed.artifact_connector.protocol import (
 from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
 from vllm.distributed.artifact_connector.request_core import (
     KeySpace,
+    RowsRead,
+    read_batch,
     read_rows,
 )
+from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
 from vllm.distributed.artifact_connector.shm import (
     ShmStoreReader,
     ShmStoreWriter,
@@ -335,6 +346,106 @@ def bench_materialise(root: str, layout: str, reps: int) -> dict:
     }
 
 
+def publish_finished(eng: Engine, n: int, rows: int) -> list:
+    """``n`` requests of ``rows`` rows, one block per step each (their
+    objects interleave), finalised together; returns their acks."""
+    reqs = [f"f{i}" for i in range(n)]
+    eng.start(reqs)
+    for _ in range(0, rows, B):
+        meta, att, st, cnt, rr = eng.step_inputs(
+            {r: min(B, rows - eng.pos[r]) for r in reqs}
+        )
+        eng.pub.apply(meta)
+        eng.pub.write_step(att, st, cnt, rr)
+        eng.pub.flush()
+    eng.pub.apply(
+        ArtifactSchedulerMeta(finalizes=tuple(Finalize(r, 0, rows) for r in reqs))
+    )
+    eng.pub.flush()
+    eng.pub.wait_idle(300)
+    acks = [a for a in eng.pub.report().acks if a.req_id in set(reqs)]
+    assert len(acks) == n
+    return acks
+
+
+def _ticks(stop, gaps: list[float]) -> None:
+    """The engine thread's stand-in: short Python work, then 0.2 ms
+    waits, recording the longest time between two ticks."""
+    last = time.perf_counter()
+    while not stop():
+        sum(range(50))
+        time.sleep(0.0002)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+
+
+def bench_finish_batch(root: str, n: int, rows: int, reps: int) -> dict:
+    eng = Engine(root, 8 << 30)
+    acks = publish_finished(eng, n, rows)
+    reader = ShmStoreReader(root, eng.ns)
+    reads = [RowsRead(a.refs, a.num_rows) for a in acks]
+    read_batch(reader, SPEC, reads)  # maps the arenas
+    per_request, batched = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for a in acks:
+            read_rows(reader, SPEC, a.refs, a.num_rows)
+        per_request.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        read_batch(reader, SPEC, reads)
+        batched.append(time.perf_counter() - t0)
+    route_reader = RouteReader(reader, SPEC)
+    jobs = [RouteRead(a.req_id, 1, r, a.num_rows) for a, r in zip(acks, reads)]
+    engine_s, done_s, worst_gap, p99_gap = [], [], [], []
+    for _ in range(reps):
+        gaps: list[float] = []
+        t0 = time.perf_counter()
+        route_reader.submit(jobs)
+        spent = time.perf_counter() - t0
+        got = 0
+        last = time.perf_counter()
+        while got < n:
+            time.sleep(0.0002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            t1 = time.perf_counter()
+            got += len(route_reader.take_done())
+            last = time.perf_counter()
+            spent += last - t1
+        done_s.append(time.perf_counter() - t0)
+        engine_s.append(spent)
+        worst_gap.append(max(gaps))
+        p99_gap.append(float(np.percentile(gaps, 99)))
+    route_reader.close()  # closes the reader too
+    alone: list[float] = []
+    t_end = time.perf_counter() + statistics.median(done_s) * reps
+    _ticks(lambda: time.perf_counter() > t_end, alone)
+    eng.close()
+    nbytes = n * rows * SPEC.row_nbytes
+    base = copy_time(nbytes, 20)
+    med = statistics.median
+    return {
+        "requests": n,
+        "rows_each": rows,
+        "objects": sum(len(a.refs) for a in acks),
+        "bytes": nbytes,
+        "copy_ms": base * 1e3,
+        "engine_thread_ms": {
+            "read_rows_per_request": med(per_request) * 1e3,
+            "read_batch": med(batched) * 1e3,
+            "route_reader": med(engine_s) * 1e3,
+        },
+        "route_reader_all_done_ms": med(done_s) * 1e3,
+        "tick_gap_ms": {
+            "with_reader_max": max(worst_gap) * 1e3,
+            "with_reader_p99": med(p99_gap) * 1e3,
+            "alone_max": max(alone) * 1e3,
+            "alone_p99": float(np.percentile(alone, 99)) * 1e3,
+        },
+    }
+
+
 def plant_dead_store(root: str) -> None:
     ns = make_namespace("dead", uuid.uuid4().hex)
     path = os.path.join(root, ns)
@@ -444,6 +555,10 @@ def main() -> None:
         "materialise_interleaved": lambda: bench_materialise(
             root, "interleaved", args.reps
         ),
+        "finish_batch": lambda: {
+            f"{n}x{rows}": bench_finish_batch(root, n, rows, 5)
+            for n, rows in ((256, 128), (64, 2048))
+        },
         "stall": lambda: bench_stall(root, args.stall_steps),
     }
     try:

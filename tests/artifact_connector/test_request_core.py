@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Keys, the write path (encode_objects) and the read path (read_rows)
-through a real /dev/shm store."""
+"""Keys, the write path (encode_objects) and the read path (read_batch,
+read_rows, and the route reader's thread) through a real /dev/shm store."""
 
 import os
+import threading
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -15,11 +17,14 @@ from vllm.distributed.artifact_connector.request_core import (
     CoverageError,
     EnvelopeError,
     KeySpace,
+    RowsRead,
     check_coverage,
     encode_objects,
+    read_batch,
     read_rows,
     tail_block_hash,
 )
+from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
 from vllm.distributed.artifact_connector.shm import (
     ShmStoreReader,
     ShmStoreWriter,
@@ -218,6 +223,136 @@ def test_a_changed_byte_fails_the_checksum(store, shm_root):
     with pytest.raises(ChecksumMismatchError):
         read_rows(r, SPEC, table(refs), 32, out=out)
     assert (out == 7).all()
+
+
+def _requests(w, n: int, seed: int = 0):
+    """``n`` published requests of 5 to 60 rows: (truth, refs) each."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        truth = rng.integers(0, 300, (int(rng.integers(5, 60)), 3, 2)).astype(np.int16)
+        out.append((truth, _publish(w, truth, 16, version=f"v{seed}-{i}")))
+    return out
+
+
+def test_read_batch_reads_many_requests_as_each_alone(store):
+    w, r = store
+    reqs = _requests(w, 9)
+    firsts = [0, 1, 16, 17, len(reqs[4][0]), 3, 0, 20, 5]
+    reads = [
+        RowsRead(table(refs), len(t), min(f, len(t)))
+        for (t, refs), f in zip(reqs, firsts)
+    ]
+    got = read_batch(r, SPEC, reads)
+    for (truth, _), rd, rows in zip(reqs, reads, got):
+        np.testing.assert_array_equal(rows, truth[rd.first_row :])
+        np.testing.assert_array_equal(
+            rows, read_rows(r, SPEC, rd.refs, rd.num_rows, first_row=rd.first_row)
+        )
+
+
+def test_a_fault_in_one_request_of_a_batch_costs_that_request_alone(store):
+    """A corrupted object, a gap in the refs and a missing version, each in
+    its own request of one batch: those three get their typed errors, the
+    others their exact rows."""
+    w, r = store
+    reqs = _requests(w, 6)
+    reads = [RowsRead(table(refs), len(t)) for t, refs in reqs]
+    # Request 1: its first object's bytes changed behind the store.
+    # (The arena's 64-byte header, then request 0's objects back to back.)
+    req0 = sum(x.num_rows * SPEC.row_nbytes + ENVELOPE_NBYTES for x in reqs[0][1])
+    _flip_byte(w, 64 + req0 + 3)
+    # Request 3: a gap (its second object left out).
+    t3, refs3 = reqs[3]
+    reads[3] = RowsRead(table(refs3[:1] + refs3[2:]), len(t3))
+    # Request 4: a version that was never published.
+    t4, refs4 = reqs[4]
+    reads[4] = RowsRead(
+        table([refs4[0]._replace(checksum=refs4[0].checksum ^ 1), *refs4[1:]]), len(t4)
+    )
+    got = read_batch(r, SPEC, reads)
+    assert isinstance(got[1], ChecksumMismatchError), got[1]
+    assert isinstance(got[3], CoverageError), got[3]
+    assert isinstance(got[4], ObjectMissingError), got[4]
+    for i in (0, 2, 5):
+        np.testing.assert_array_equal(got[i], reqs[i][0])
+
+
+class _HeldReader:
+    """A real store reader whose reads wait for ``release`` (a held thread,
+    to show what the engine side does while a read is under way)."""
+
+    def __init__(self, reader):
+        self._reader = reader
+        self.release = threading.Event()
+        self.reading = threading.Event()
+
+    def read_into(self, *args, **kwargs):
+        self.reading.set()
+        assert self.release.wait(30)
+        return self._reader.read_into(*args, **kwargs)
+
+    def close(self):
+        self._reader.close()
+
+
+def test_the_route_reader_never_makes_the_engine_thread_wait(store, shm_root):
+    w, _ = store
+    reqs = _requests(w, 5)
+    held = _HeldReader(ShmStoreReader(shm_root, w.namespace))
+    reads = RouteReader(held, SPEC)  # type: ignore[arg-type]
+    try:
+        jobs = [
+            RouteRead(f"r{i}", 1, RowsRead(table(refs), len(t), 2), len(t) - 1)
+            for i, (t, refs) in enumerate(reqs)
+        ]
+        t0 = time.monotonic()
+        reads.submit(jobs)
+        assert held.reading.wait(30)
+        # The read is stuck; the engine side goes on.
+        assert reads.take_done() == [] and reads.pending == 5
+        reads.wait_done(0.01)
+        assert reads.take_done() == [] and time.monotonic() - t0 < 20
+        held.release.set()
+        done = []
+        deadline = time.monotonic() + 30
+        while len(done) < 5 and time.monotonic() < deadline:
+            reads.wait_done(0.1)
+            done += reads.take_done()
+        assert reads.pending == 0
+        by_id = {res.req_id: res for res in done}
+        for i, (truth, _) in enumerate(reqs):
+            res = by_id[f"r{i}"]
+            assert res.error is None
+            # Rows [first_row, end): the cut at the request's boundary.
+            np.testing.assert_array_equal(res.rows, truth[2 : len(truth) - 1])
+    finally:
+        held.release.set()
+        reads.close()
+
+
+def test_the_route_reader_reports_a_store_fault_per_request(store, shm_root):
+    w, _ = store
+    (t0, refs0), (t1, refs1) = _requests(w, 2)
+    reads = RouteReader(ShmStoreReader(shm_root, w.namespace), SPEC)
+    try:
+        bad = table([refs1[0]._replace(checksum=refs1[0].checksum ^ 1), *refs1[1:]])
+        reads.submit(
+            [
+                RouteRead("ok", 1, RowsRead(table(refs0), len(t0)), len(t0)),
+                RouteRead("lost", 1, RowsRead(bad, len(t1)), len(t1)),
+            ]
+        )
+        done = []
+        while len(done) < 2:
+            reads.wait_done(1.0)
+            done += reads.take_done()
+        by_id = {res.req_id: res for res in done}
+        np.testing.assert_array_equal(by_id["ok"].rows, t0)
+        assert by_id["lost"].rows is None
+        assert by_id["lost"].error.startswith("ObjectMissingError: ")
+    finally:
+        reads.close()
 
 
 def test_encode_writes_a_self_describing_envelope():

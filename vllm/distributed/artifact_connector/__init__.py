@@ -18,8 +18,11 @@ Worker side (global rank 0, one per engine):
 Scheduler side:
 
 * ``protocol.ArtifactSchedulerMeta`` - what the scheduler sends each step.
-* ``request_core.read_rows`` - read a request's rows ``[first_row, N - 1)``
-  from the refs of its ``FinalizeAck``, every object verified.
+* ``request_core.read_batch`` - read many requests' rows ``[first_row, N -
+  1)`` from the refs of their ``FinalizeAck`` at once, every object verified
+  (``read_rows``: one request).
+* ``route_reader.RouteReader`` - does those reads on its own thread, so the
+  engine thread never waits on one.
 * ``protocol.Release`` - after reading, release what the attempt retained.
 
 Store (``store`` contract, ``shm`` backend): ``ShmStoreWriter.put_batch``,

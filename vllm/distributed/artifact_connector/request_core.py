@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Request-level artifact logic: row format, keys, object envelopes, the
 one write path (:func:`encode_objects`) and the one read path
-(:func:`read_rows`).
+(:func:`read_batch`, all requests finishing together in one pass;
+:func:`read_rows` is its form for one request).
 
 A request with ``N`` tokens has ``R = N - 1`` rows (the last sampled token
 is never forwarded). Rows are cut at the prefix cache's hash-block size
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -224,6 +226,16 @@ def _check_coverage(starts: np.ndarray, nrows: np.ndarray, num_rows: int) -> Non
         )
 
 
+@dataclass(frozen=True, slots=True)
+class RowsRead:
+    """One request's read: rows ``[first_row, num_rows)`` of a request whose
+    objects ``refs`` cover ``[0, num_rows)`` in order."""
+
+    refs: ObjectRefs
+    num_rows: int
+    first_row: int = 0
+
+
 def read_rows(
     reader: ObjectStoreReader,
     spec: RowSpec,
@@ -233,56 +245,144 @@ def read_rows(
     first_row: int = 0,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Rows ``[first_row, num_rows)`` of a request whose objects ``refs``
-    cover ``[0, num_rows)`` in order. Objects that end at or before
-    ``first_row`` are not read at all. Every object is checked (checksum,
-    then envelope: schema, dtype, shape, token range, key) before anything
-    is copied into the result (``out`` if given: a C-contiguous
-    ``[num_rows - first_row, L, K]`` array of the spec's dtype, untouched
-    on error). Never returns partial rows."""
-    starts, nrows = refs.starts, refs.num_rows
-    _check_coverage(starts, nrows, num_rows)
-    if not 0 <= first_row <= num_rows:
-        raise CoverageError(f"first row {first_row} is outside [0, {num_rows}]")
+    """Rows ``[first_row, num_rows)`` of one request (:func:`read_batch`
+    of one read), into ``out`` if given: a C-contiguous ``[num_rows -
+    first_row, L, K]`` array of the spec's dtype, untouched on error."""
     shape = (num_rows - first_row, *spec.row_shape)
-    if out is None:
-        out = np.empty(shape, spec.dtype)
-    elif out.shape != shape or out.dtype != spec.dtype or not out.flags.c_contiguous:
+    if out is not None and (
+        out.shape != shape or out.dtype != spec.dtype or not out.flags.c_contiguous
+    ):
         raise ValueError(f"out must be a C-contiguous {list(shape)} {spec.dtype} array")
-    skip = int(np.searchsorted(starts + nrows, first_row, side="right"))
-    n = len(refs) - skip
-    if n == 0:
-        return out
-    starts, nrows = starts[skip:], nrows[skip:]
+    (got,) = read_batch(reader, spec, [RowsRead(refs, num_rows, first_row)], out=out)
+    if isinstance(got, ArtifactError):
+        raise got
+    return got if out is None else out
+
+
+def read_batch(
+    reader: ObjectStoreReader,
+    spec: RowSpec,
+    reads: Sequence[RowsRead],
+    *,
+    out: np.ndarray | None = None,
+) -> list[np.ndarray | ArtifactError]:
+    """The one read path: every request's rows, read together (one index
+    lookup, one envelope check and one copy pass over all their objects).
+    Objects that end at or before a read's ``first_row`` are not read.
+    Every object is checked (checksum, then envelope: schema, dtype, shape,
+    token range, key) before anything is copied. Result ``i`` is read
+    ``i``'s rows (views of one buffer: ``out`` if given, which must hold
+    them back to back) or the typed error that stops it; a fault in one
+    request's objects costs that request alone. Never partial rows."""
+    n_reads = len(reads)
     rb = spec.row_nbytes
-    lo = np.maximum(starts, first_row)
-    spans = np.stack(
-        ((lo - starts) * rb, (starts + nrows - lo) * rb, (lo - first_row) * rb), axis=1
+    first = np.array([r.first_row for r in reads], np.int64)
+    total = np.array([r.num_rows for r in reads], np.int64)
+    if ((first < 0) | (first > total)).any():
+        i = int(np.argmax((first < 0) | (first > total)))
+        return [
+            CoverageError(f"first row {int(first[i])} is outside [0, {int(total[i])}]")
+            if j == i
+            else read_batch(reader, spec, [r])[0]
+            for j, r in enumerate(reads)
+        ]
+    counts = np.array([len(r.refs) for r in reads], np.int64)
+    starts = _concat([r.refs.starts for r in reads], np.int64)
+    nrows = _concat([r.refs.num_rows for r in reads], np.int64)
+    seg = np.repeat(np.arange(n_reads), counts)
+    # Coverage of every read at once: object i starts where the ones
+    # before it in its request end, and each request's objects end at its
+    # num_rows.
+    ends = np.cumsum(nrows)
+    seg_base = np.zeros(n_reads, np.int64)
+    seg_first = np.cumsum(counts) - counts
+    has = counts > 0
+    seg_base[has] = (ends - nrows)[seg_first[has]]
+    expected = ends - nrows - seg_base[seg]
+    seg_end = np.zeros(n_reads, np.int64)
+    seg_end[has] = (ends - seg_base[seg])[seg_first[has] + counts[has] - 1]
+    bad_obj = (starts != expected) | (nrows <= 0)
+    bad = (seg_end != total) | np.bincount(seg[bad_obj], minlength=n_reads).astype(
+        np.bool_
     )
-    keys = refs.keys[skip:]
-    checksums = refs.checksums[skip:]
+    results: list[np.ndarray | ArtifactError | None] = [None] * n_reads
+    for i in np.flatnonzero(bad).tolist():
+        r = reads[i]
+        try:
+            _check_coverage(r.refs.starts, r.refs.num_rows, r.num_rows)
+        except CoverageError as e:
+            results[i] = e
+    sizes = (total - first) * rb
+    offsets = np.cumsum(sizes) - sizes
+    if out is None:
+        buf = np.empty(int(sizes.sum()), np.uint8)
+    else:
+        buf = out.reshape(-1).view(np.uint8)
+        if buf.shape[0] != int(sizes.sum()):
+            raise ValueError("out does not hold exactly the reads' rows")
+    ok = np.array([res is None for res in results], np.bool_)
+    # The objects to read: those of readable requests that end past the
+    # first row wanted.
+    take = ok[seg] & (starts + nrows > first[seg])
+    if take.any():
+        sel = np.flatnonzero(take)
+        s, nr, sg = starts[sel], nrows[sel], seg[sel]
+        lo = np.maximum(s, first[sg])
+        spans = np.stack(
+            (
+                (lo - s) * rb,
+                (s + nr - lo) * rb,
+                offsets[sg] + (lo - first[sg]) * rb,
+            ),
+            axis=1,
+        )
+        all_keys = [k for r in reads for k in r.refs.keys]
+        keys = [all_keys[i] for i in sel.tolist()]
+        checksums = _concat([r.refs.checksums for r in reads], np.uint64)[sel]
+        n = sel.shape[0]
 
-    def check(trailers: np.ndarray, lengths: np.ndarray) -> None:
-        bad = lengths != nrows * rb + ENVELOPE_NBYTES
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise EnvelopeError(
-                f"object {keys[i]} has {int(lengths[i])} bytes; {int(nrows[i])} "
-                f"rows of [{spec.num_layers}, {spec.top_k}] {spec.dtype} take "
-                f"{int(nrows[i]) * rb + ENVELOPE_NBYTES}"
+        def check(trailers: np.ndarray, lengths: np.ndarray) -> None:
+            bad = lengths != nr * rb + ENVELOPE_NBYTES
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise EnvelopeError(
+                    f"object {keys[i]} has {int(lengths[i])} bytes; {int(nr[i])} "
+                    f"rows of [{spec.num_layers}, {spec.top_k}] {spec.dtype} take "
+                    f"{int(nr[i]) * rb + ENVELOPE_NBYTES}"
+                )
+            env = np.ascontiguousarray(trailers).view(ENVELOPE_DTYPE).reshape(n)
+            _check_envelopes(env, spec, s, nr, keys)
+
+        try:
+            reader.read_into(
+                keys, checksums, buf, spans, trailer_nbytes=ENVELOPE_NBYTES, check=check
             )
-        env = np.ascontiguousarray(trailers).view(ENVELOPE_DTYPE).reshape(n)
-        _check_envelopes(env, spec, starts, nrows, keys)
+        except ArtifactError as e:
+            if n_reads == 1 or int(ok.sum()) == 1:
+                for i in np.flatnonzero(ok).tolist():
+                    results[i] = e
+            else:
+                # Find whose objects failed: each request alone.
+                for i in np.flatnonzero(ok).tolist():
+                    o, size = int(offsets[i]), int(sizes[i])
+                    (results[i],) = read_batch(
+                        reader, spec, [reads[i]], out=buf[o : o + size]
+                    )
+    for i in range(n_reads):
+        if results[i] is None:
+            o, size = int(offsets[i]), int(sizes[i])
+            results[i] = (
+                buf[o : o + size]
+                .view(spec.dtype)
+                .reshape(int(total[i] - first[i]), *spec.row_shape)
+            )
+    return results  # type: ignore[return-value]
 
-    reader.read_into(
-        keys,
-        checksums,
-        out.reshape(-1).view(np.uint8),
-        spans,
-        trailer_nbytes=ENVELOPE_NBYTES,
-        check=check,
-    )
-    return out
+
+def _concat(parts: list[np.ndarray], dtype) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype)
+    return np.concatenate(parts).astype(dtype, copy=False)
 
 
 def _check_envelopes(

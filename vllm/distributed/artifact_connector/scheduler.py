@@ -8,8 +8,9 @@ which block hashes became known and how each attempt ends: finalised at the
 executed boundary (a finish, or an abort whose caller waits), or discarded
 (drained: its full blocks are published, the rest dropped). It keeps a
 finished request's terminal output until the worker acknowledges the finish
-in ``ModelRunnerOutput.artifact_report``, reads the rows from the store,
-attaches them and releases the request's objects.
+in ``ModelRunnerOutput.artifact_report``, has the rows read from the
+store off the engine thread (``route_reader.py``), attaches them and
+releases the request's objects.
 
 State is one :class:`_Record` per request, with an explicit
 :class:`Phase`; every transition is a method of this class, on the engine
@@ -44,9 +45,10 @@ from vllm.distributed.artifact_connector.protocol import (
     Release,
 )
 from vllm.distributed.artifact_connector.request_core import (
-    read_rows,
+    RowsRead,
     tail_block_hash,
 )
+from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
 from vllm.distributed.artifact_connector.shm import ShmStoreReader
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
@@ -73,6 +75,9 @@ class Phase(enum.Enum):
     the new attempt has recomputed them, or until it finishes first."""
     FINISHING = "finishing"
     """Finalize sent; the terminal output waits for the acknowledgement."""
+    READING = "reading"
+    """Acknowledged; the route reader reads the rows, the terminal output
+    waits for them."""
 
 
 @dataclass
@@ -162,7 +167,8 @@ class ArtifactSchedulerConnector:
         )
         namespace = cfg.namespace(vllm_config.parallel_config.data_parallel_rank)
         # The workers (and the store's writer) exist before the scheduler.
-        self._reader = ShmStoreReader(cfg.shm_root, namespace)
+        self._reads = RouteReader(ShmStoreReader(cfg.shm_root, namespace), self.spec)
+        self._step_empty = False
         self._records: dict[str, _Record] = {}
         # Where blocks whose routes are lost are dropped from the prefix
         # cache (only when its blocks are the hash blocks).
@@ -191,8 +197,9 @@ class ArtifactSchedulerConnector:
                     new.req_id, request.client_index
                 )
             self._start_attempt(record, request, new.num_computed_tokens)
+        self._step_empty = scheduler_output.total_num_scheduled_tokens == 0
         for record in self._records.values():
-            if record.phase is Phase.FINISHING:
+            if record.phase in (Phase.FINISHING, Phase.READING):
                 continue
             request = requests[record.req_id]
             if record.live is not None:
@@ -312,7 +319,7 @@ class ArtifactSchedulerConnector:
                 )
             else:
                 return
-        if record.phase is Phase.FINISHING:
+        if record.phase in (Phase.FINISHING, Phase.READING):
             return
         engine_finish = _engine_finish(request)
         aborted_with_tokens = (
@@ -402,7 +409,7 @@ class ArtifactSchedulerConnector:
         record = self._records.get(req_id)
         return (
             record is not None
-            and record.phase is Phase.FINISHING
+            and record.phase in (Phase.FINISHING, Phase.READING)
             and not record.engine_finish
         ) or any(o.request_id == req_id for _, o in self._ready)
 
@@ -439,33 +446,30 @@ class ArtifactSchedulerConnector:
         if report is not None:
             if report.stats is not None:
                 stats.worker_snapshot(report.stats)
+            reads = []
             for ack in report.acks:
-                self._out.releases.append(Release(ack.req_id, ack.attempt))
                 record = self._finishing(ack.req_id, ack.attempt)
                 if record is None:
+                    self._out.releases.append(Release(ack.req_id, ack.attempt))
                     continue
                 stats.publish_s.append(now - record.ended)
                 if not record.routes_wanted:
+                    self._out.releases.append(Release(ack.req_id, ack.attempt))
                     self._emit(record, None, None)
                     continue
-                start = time.perf_counter()
-                rows, error = None, None
-                try:
-                    # The objects may end past the boundary (a block a step
-                    # scheduled before the finish completed): cut there.
-                    end = min(record.num_rows, ack.num_rows)
-                    rows = read_rows(
-                        self._reader,
-                        self.spec,
-                        ack.refs,
-                        ack.num_rows,
-                        first_row=record.first_row,
-                    )[: end - record.first_row]
-                except ArtifactError as e:
-                    logger.warning("routes of request %s unreadable: %s", ack.req_id, e)
-                    error = f"{type(e).__name__}: {e}"
-                stats.materialization_s.append(time.perf_counter() - start)
-                self._emit(record, rows, error)
+                # The objects stay retained until the read is done. They may
+                # end past the boundary (a block a step scheduled before the
+                # finish completed): cut there.
+                record.phase = Phase.READING
+                reads.append(
+                    RouteRead(
+                        ack.req_id,
+                        ack.attempt,
+                        RowsRead(ack.refs, ack.num_rows, record.first_row),
+                        min(record.num_rows, ack.num_rows),
+                    )
+                )
+            self._reads.submit(reads)
             for failure in report.failures:
                 error = f"{failure.error_type}: {failure.message}"
                 if failure.lost_block_hash is not None:
@@ -487,6 +491,7 @@ class ArtifactSchedulerConnector:
                     record.live = None
                     record.error = error
                     to_fail[failure.req_id] = error
+        self._take_reads()
         for record in list(self._records.values()) if self._num_finishing else ():
             if record.phase is Phase.FINISHING and now - record.ended > ACK_TIMEOUT_S:
                 stats.publish_s.append(now - record.ended)
@@ -511,6 +516,25 @@ class ArtifactSchedulerConnector:
                         artifact_error=to_fail[request.request_id],
                     )
                 )
+
+    def _take_reads(self) -> None:
+        reads = self._reads
+        if (
+            self._step_empty
+            and reads.pending
+            and not any(r.phase is Phase.FINISHING for r in self._records.values())
+        ):
+            # Nothing to schedule and nothing but reads to wait for: wait
+            # for one instead of spinning through empty steps on the
+            # interpreter the reader needs (a new request waits 2 ms at most).
+            reads.wait_done(0.002)
+        for res in reads.take_done():
+            self._out.releases.append(Release(res.req_id, res.attempt))
+            record = self._records.get(res.req_id)
+            if record is None or record.phase is not Phase.READING:
+                continue
+            self._stats.materialization_s.append(res.seconds)
+            self._emit(record, res.rows, res.error)
 
     def _forget_prefix_block(self, block_hash: bytes) -> None:
         """A prefix hit found this block's routes gone (evicted from the
@@ -546,7 +570,10 @@ class ArtifactSchedulerConnector:
                     if eco.finish_reason is not None
                     else None
                 )
-                if record is None or record.phase is not Phase.FINISHING:
+                if record is None or record.phase not in (
+                    Phase.FINISHING,
+                    Phase.READING,
+                ):
                     kept.append(eco)
                 elif record.finalized == 0:  # no attempt can give routes
                     self._emit(record, None, record.error, eco)
@@ -607,4 +634,4 @@ class ArtifactSchedulerConnector:
         return {"records": len(self._records), "ready": len(self._ready)}
 
     def close(self) -> None:
-        self._reader.close()
+        self._reads.close()
