@@ -33,6 +33,12 @@ share the benchmark's process) times the connector's methods on the engine's
 threads with ``time.perf_counter`` and reports, per timed round, their total
 against the round's wall time (``connector_s``).
 
+``BENCH_GRAPHS=1`` decodes with full CUDA graphs (``compilation_config=
+{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}``, the harness's capturable
+stand-ins); each round then also reports ``decode_step_ms`` (the median
+decode step) and ``host_cpu_ms_per_step`` (the process's CPU time per decode
+step: the engine core and the worker share it at TP=1).
+
 ``BENCH_TP=2`` runs every setting at tensor parallelism 2 (two GPUs, the
 EngineCore in its own process, no custom all-reduce kernel).
 
@@ -166,16 +172,23 @@ def _timed_round(engine, offset: int) -> dict:
     outs = {}
     t_first = None
     steps = 0
+    step_s: list[float] = []
+    cpu_first = 0.0
     while engine.has_unfinished_requests():
+        ts = time.perf_counter()
         for o in engine.step():
             if o.finished:
                 rid = ids.get(o.request_id, o.request_id)
                 finish[rid] = time.perf_counter()
                 outs[rid] = o
         steps += 1
+        step_s.append(time.perf_counter() - ts)
         if t_first is None:
             t_first = time.perf_counter()
+            cpu_first = time.process_time()
     t_end = time.perf_counter()
+    cpu_decode = time.process_time() - cpu_first
+    decode_steps = sorted(step_s[1:]) or [0.0]
     new = sum(len(o.outputs[0].token_ids) for o in outs.values())
     lat = [finish[r] - submit[r] for r in finish]
     c0 = outs[f"bench-{offset}-0"].outputs[0]
@@ -194,6 +207,12 @@ def _timed_round(engine, offset: int) -> dict:
         tok_per_s=round(new / (t_end - t0), 1),
         decode_tok_per_s=round((new - len(outs)) / (t_end - t_first), 1),
         first_step_s=round(t_first - t0, 3),
+        # Decode steps (all but the first): the median step's wall time, and
+        # the process's CPU time per step (the host side of the step: with
+        # the engine core and the worker in this process, everything but
+        # the GPU).
+        decode_step_ms=round(1e3 * decode_steps[len(decode_steps) // 2], 3),
+        host_cpu_ms_per_step=round(1e3 * cpu_decode / max(1, steps - 1), 3),
         mean_latency_s=round(sum(lat) / len(lat), 3),
         max_latency_s=round(max(lat), 3),
         r3_shape=None if re is None else list(re.shape),
@@ -228,10 +247,18 @@ def worker(setting: str) -> dict:
         enforce_eager=True, enable_prefix_caching=True,
         attention_backend="TRITON_ATTN", moe_backend="triton", dtype="bfloat16",
         max_model_len=1024, max_num_seqs=SEQS, max_num_batched_tokens=8192,
-        kv_cache_memory_bytes=4 << 30, gpu_memory_utilization=0.9, seed=0,
+        kv_cache_memory_bytes=(4 << 30) * max(1, SEQS // 64),
+        gpu_memory_utilization=0.9, seed=0,
     )  # fmt: skip
     if TP > 1:
         kw.update(tensor_parallel_size=TP, disable_custom_all_reduce=True)
+    if os.environ.get("BENCH_GRAPHS") == "1":
+        # Decode replays full CUDA graphs (tests/gpu/vllm_pyshim.py's
+        # stand-ins are capturable); compiled mode stays off.
+        kw.update(
+            enforce_eager=False,
+            compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        )
     # BENCH_OVERRIDE: JSON of engine arguments to set (null: drop), e.g. for a
     # smoke run of this script on the CPU harness.
     for k, v in json.loads(os.environ.get("BENCH_OVERRIDE", "{}")).items():
@@ -270,7 +297,14 @@ def worker(setting: str) -> dict:
     engine = llm.llm_engine
     reps = [_timed_round(engine, offset=1000 * (k + 1)) for k in range(REPS)]
     row["reps"] = reps
-    for key in ("tok_per_s", "decode_tok_per_s", "mean_latency_s"):
+    row["graphs"] = str(cfg.compilation_config.cudagraph_mode)
+    for key in (
+        "tok_per_s",
+        "decode_tok_per_s",
+        "mean_latency_s",
+        "decode_step_ms",
+        "host_cpu_ms_per_step",
+    ):
         row[key] = round(sum(r[key] for r in reps) / len(reps), 3)
     for key in ("r3_shape", "r3_dtype", "routed_experts_errors"):
         row[key] = reps[-1][key]
@@ -357,6 +391,8 @@ def driver(order: list[str]) -> dict:
             "tok_per_s": [r["tok_per_s"] for r in ok],
             "decode_tok_per_s": [r["decode_tok_per_s"] for r in ok],
             "mean_latency_s": [r["mean_latency_s"] for r in ok],
+            "decode_step_ms": [r.get("decode_step_ms") for r in ok],
+            "host_cpu_ms_per_step": [r.get("host_cpu_ms_per_step") for r in ok],
             "tok_per_s_mean": _mean([r["tok_per_s"] for r in ok]),
             "decode_tok_per_s_mean": _mean([r["decode_tok_per_s"] for r in ok]),
             "mean_latency_s_mean": _mean([r["mean_latency_s"] for r in ok]),

@@ -6,6 +6,8 @@
 # and unpacks the pristine tree (.devcarry/base_site.tgz) into /tmp/site_base.
 #   R3_TESTS=0        skip the tests
 #   BENCH="off fork"  settings for the benchmark (unset: no benchmark)
+#   BENCH_TAG=_b64    suffix of the benchmark's result files (several runs
+#                     of this script in one call)
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/r3_out}
@@ -41,10 +43,12 @@ if [ -n "${BENCH:-}" ]; then
   echo "[device_run] bench rc=$? at $(( $(date +%s) - T0 ))s"
 fi
 # The harness returns only a few files: keep summaries at the top, pack the rest.
-for f in r3_gpu/comparisons.json r3_gpu/summary.json bench_r3/result.json; do
+TAG=${BENCH_TAG:-}
+for f in r3_gpu/comparisons.json r3_gpu/summary.json; do
   [ -f "$OUT/$f" ] && cp "$OUT/$f" "$OUT/$(echo "$f" | tr / _)"
 done
+[ -f "$OUT/bench_r3/result.json" ] && cp "$OUT/bench_r3/result.json" "$OUT/bench_r3_result$TAG.json"
 if [ -d "$OUT/r3_gpu" ] || [ -d "$OUT/bench_r3" ]; then
-  (cd "$OUT" && tar czf results.tgz $(ls -d r3_gpu bench_r3 2>/dev/null) && rm -rf r3_gpu bench_r3)
+  (cd "$OUT" && tar czf "results$TAG.tgz" $(ls -d r3_gpu bench_r3 2>/dev/null) && rm -rf r3_gpu bench_r3)
 fi
 ls -la "$OUT"

@@ -90,6 +90,24 @@ def _attn_backend(worker) -> list[str]:
     return sorted(names)
 
 
+def _graph_replays(worker) -> dict | None:
+    """Model Runner V2's full CUDA graphs: the token counts captured and how
+    many replays ran (the first call installs the counter)."""
+    cgm = getattr(worker.model_runner, "cudagraph_manager", None)
+    if cgm is None:
+        return None
+    if not hasattr(cgm, "r3_test_replays"):
+        orig = cgm.run_fullgraph
+        cgm.r3_test_replays = 0
+
+        def run_fullgraph(desc, _orig=orig, _cgm=cgm):
+            _cgm.r3_test_replays += 1
+            return _orig(desc)
+
+        cgm.run_fullgraph = run_fullgraph
+    return {"captured": cgm.captured_token_counts(), "replays": cgm.r3_test_replays}
+
+
 def run(spec: dict, out_prefix: str) -> dict:
     import torch
 
@@ -192,6 +210,9 @@ def run(spec: dict, out_prefix: str) -> dict:
         res["attn_backend"] = llm.collective_rpc(_attn_backend)
     except Exception as e:  # noqa: BLE001
         res["attn_backend"] = f"collective_rpc failed: {e!r}"
+    res["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
+    if tp == 1:
+        res["cudagraphs_at_start"] = llm.collective_rpc(_graph_replays)
 
     ps = prompts(vocab=cfg.model_config.get_vocab_size())
     arrays: dict[str, np.ndarray] = {}
@@ -234,6 +255,8 @@ def run(spec: dict, out_prefix: str) -> dict:
             {"s": round(time.time() - t, 2), "max_tokens": int(max_tokens), "outs": rr}
         )
     res["rounds"] = rounds
+    if tp == 1:
+        res["cudagraphs"] = llm.collective_rpc(_graph_replays)
     if tp > 1:
         sp = SamplingParams(
             max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False

@@ -104,6 +104,7 @@ RETRY_BUDGET_S = float(os.environ.get("R3_GPU_RETRY_BUDGET", "200"))
 # Three rounds: the six prompts, their prefix-cache hits plus two new ones,
 # and the prompts with repetition (32 new tokens).
 ROUNDS3 = {"rounds": [ROUND1, ROUND2, ROUND_REP], "round_max_tokens": [16, 16, 32]}
+GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 CASES = {
     "ref": {"tree": "fork", "async": None, "max_batched": 4096, **ROUNDS3},
@@ -142,6 +143,29 @@ CASES = {
         "f32": "ieee",
         "speculative": {"method": "ngram_gpu", **NGRAM},
         **ROUNDS3,
+    },
+    # Full CUDA graphs for decode, compiled mode off (the stand-ins are not
+    # torch.library ops): the capture runs inside a replayed graph.
+    "graphs": {
+        "tree": "fork",
+        "async": None,
+        "max_batched": 4096,
+        "override": {"enforce_eager": False, "compilation_config": GRAPHS},
+        **ROUNDS3,
+    },
+    "graphs_ieee": {
+        "tree": "fork",
+        "async": None,
+        "max_batched": 4096,
+        "f32": "ieee",
+        "override": {"enforce_eager": False, "compilation_config": GRAPHS},
+        **ROUNDS3,
+    },
+    "base_graphs": {
+        "tree": "base",
+        "async": None,
+        "max_batched": 4096,
+        "override": {"enforce_eager": False, "compilation_config": GRAPHS},
     },
     "tp2": {"tree": "fork", "async": None, "max_batched": 4096, "tp": 2},
     "tp2_ieee": {
@@ -689,6 +713,67 @@ def test_matches_transformers_router(runs):
 
 def test_matches_transformers_router_ieee(runs):
     _oracle(runs, "ref_ieee", TIE_TOL["ieee"])
+
+
+# ------------------------------------------------------------- CUDA graphs
+GRAPH_CASES = [
+    c for c, s in CASES.items() if "compilation_config" in s.get("override", {})
+]
+
+
+def test_cuda_graphs_captured_and_replayed(runs):
+    """The graph cases decoded through replays of captured full graphs (a
+    fall-back to eager would make every other graph test vacuous); the
+    eager ones never replayed."""
+    ran = [n for n in runs if CASES[n].get("tp", 1) == 1]
+    for name in ran:
+        r = _need(runs, name)
+        (graphs,) = r.meta["cudagraphs"]
+        if name in GRAPH_CASES:
+            assert "FULL" in r.meta["cudagraph_mode"], (name, r.meta["cudagraph_mode"])
+            assert graphs["captured"], (name, graphs)
+            decode_steps = sum(rnd["max_tokens"] - 1 for rnd in r.meta["rounds"])
+            assert graphs["replays"] >= decode_steps, (name, graphs, decode_steps)
+        else:
+            assert graphs is None or graphs["replays"] == 0, (name, graphs)
+
+
+def test_cuda_graphs_same_routes_as_eager(runs):
+    """Decode steps replayed from graphs run the same kernels on padded
+    batches: routes equal the eager run's up to near-ties, tokens equal."""
+    _assert_same(
+        _need(runs, "ref"), _need(runs, "graphs"), "CUDA graphs vs eager", TIE_TOL[None]
+    )
+
+
+def test_cuda_graphs_same_routes_as_eager_ieee(runs):
+    _assert_same(
+        _need(runs, "ref_ieee"),
+        _need(runs, "graphs_ieee"),
+        "IEEE fp32: CUDA graphs vs eager",
+        TIE_TOL["ieee"],
+    )
+
+
+def test_cuda_graphs_same_routes_as_base_aux_output(runs):
+    """Under graphs, the fork against the pristine tree's AuxOutput R3 in
+    the same mode: bit for bit."""
+    _assert_same(
+        _need(runs, "graphs"),
+        _need(runs, "base_graphs"),
+        "CUDA graphs: fork vs base AuxOutput",
+        None,
+    )
+
+
+def test_cuda_graphs_match_transformers_router(runs):
+    """Rows captured inside replayed graphs are this step's (a capture that
+    missed the replay would hand back the capture-time rows: stale)."""
+    _oracle(runs, "graphs", TIE_TOL[None])
+
+
+def test_cuda_graphs_match_transformers_router_ieee(runs):
+    _oracle(runs, "graphs_ieee", TIE_TOL["ieee"])
 
 
 # ------------------------------------------------------- tensor parallelism

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Build .devcarry/ (git-ignored) for the GPU harness from this checkout:
+#   bash tests/gpu/make_carry.sh
+# - vllm_site.tgz: the fork's tree on the CUDA base (tools/fork.py
+#   materialize --base cuda) with tests/gpu/vllm_pyshim.py;
+# - base_site.tgz: the pristine vllm 0.32.0 CUDA wheel's tree, the same way;
+# - whl/: the cp312 wheels the device lacks (../shared/tools/gpu/
+#   fetch_wheels.sh, fetched once into .devcarry-wheels/);
+# - models/tiny-moe: the tiny real-weight MoE of tests/gpu;
+# - run.sh, probe.py: the shared harness's driver (unchanged).
+# Then, one device call:
+#   CMD="bash tests/gpu/device_run.sh" SKIP_ENV=1 TCMD=540 bash .devcarry/run.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+SHARED=${SHARED_GPU_TOOLS:-$ROOT/../shared/tools/gpu}
+WHEEL=$(ls "$ROOT"/.cache/wheels/cuda/vllm-0.32.0-*.whl)
+STAGE=$(mktemp -d "$ROOT/.cache/carry.XXXXXX")
+trap 'rm -rf "$STAGE"' EXIT
+[ -d .devcarry-wheels ] || bash "$SHARED/fetch_wheels.sh" .devcarry-wheels
+mkdir -p .devcarry
+.venv/bin/python tools/fork.py materialize --base cuda "$STAGE/fork"
+bash tests/gpu/pack_vllm_carry.sh "$STAGE/fork/vllm" "$WHEEL" "$ROOT/.devcarry" \
+  "$ROOT/.devcarry-wheels"
+mkdir -p "$STAGE/base"
+(cd "$STAGE/base" && unzip -q "$WHEEL" 'vllm/*')
+bash tests/gpu/pack_vllm_carry.sh "$STAGE/base/vllm" "$WHEEL" "$STAGE/base_carry"
+mv "$STAGE/base_carry/vllm_site.tgz" .devcarry/base_site.tgz
+[ -d .devcarry/models/tiny-moe ] || .venv/bin/python tools/build_tiny_moe.py \
+  --out .devcarry/models/tiny-moe --layers 3 --experts 16 --top-k 4
+install -m 0755 "$SHARED/run.sh" .devcarry/run.sh
+install -m 0644 "$SHARED/probe.py" .devcarry/probe.py
+du -sh .devcarry

@@ -1,0 +1,56 @@
+#!/bin/bash
+# The project's copy of ../shared/tools/gpu/pack_vllm_carry.sh: it packs
+# tests/gpu/vllm_pyshim.py (the capturable stand-ins) beside the tree.
+# tests/gpu/make_carry.sh calls it for the fork's and the pristine tree.
+#
+# Pack a vLLM *Python* tree (no compiled extensions) + the wheels that
+# `import vllm` / the offline LLM path need into a carry folder for the device
+# machine (torch 2.11 there, so vLLM's own .so files can't be used).
+#
+# usage: pack_vllm_carry.sh SRC_VLLM_DIR DIST_INFO_SRC DEST_CARRY_DIR [WHEEL_DIR]
+#   SRC_VLLM_DIR   a vllm/ package dir (fork checkout's vllm/, or an unpacked wheel)
+#   DIST_INFO_SRC  a vllm wheel (.whl) to take vllm-X.dist-info from (platform
+#                  detection calls importlib.metadata.version("vllm")), or a
+#                  ready *.dist-info dir
+#   DEST_CARRY_DIR e.g. .devcarry in your checkout (must be git-ignored; carry it)
+#   WHEEL_DIR      cp312 manylinux wheels to carry (default: skip)
+# Adds to the packed copy only: vllm/_C_stable_libtorch.py,
+# vllm/_moe_C_stable_libtorch.py (-> vllm_pyshim.install()),
+# vllm/vllm_flash_attn/_vllm_fa2_C.py (empty, so `import vllm.vllm_flash_attn`
+# doesn't raise; force attention_backend=TRITON_ATTN), and vllm_pyshim.py.
+set -euo pipefail
+SRC=$1; DIST=$2; DEST=$3; WHL=${4:-}
+HERE=$(cd "$(dirname "$0")" && pwd)
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$STAGE/site"
+cp -a "$SRC" "$STAGE/site/vllm"
+chmod -R u+w "$STAGE/site/vllm"
+cd "$STAGE/site"
+# drop compiled artefacts and big non-Python payloads
+find vllm -name '*.so' -delete
+find vllm -name __pycache__ -prune -exec rm -rf {} +
+rm -f vllm/vllm-rs
+for d in vllm/third_party/deep_gemm vllm/third_party/fmha_sm100; do
+  [ -d "$d" ] && find "$d" -type f ! -name '*.py' -delete
+done
+find vllm -type d -empty -delete
+# stubs
+for m in _C_stable_libtorch _moe_C_stable_libtorch; do
+  printf '# pyshim stub (no compiled extension in this tree)\nimport vllm_pyshim\n\nvllm_pyshim.install()\n' > vllm/$m.py
+done
+printf '# pyshim stub: lets vllm.vllm_flash_attn import; FA kernels are NOT available\n' \
+  > vllm/vllm_flash_attn/_vllm_fa2_C.py
+cp "$HERE/vllm_pyshim.py" .
+if [ -d "$DIST" ]; then
+  cp -a "$DIST" .
+else
+  unzip -q -o "$DIST" '*.dist-info/*' -x '*/RECORD'
+fi
+mkdir -p "$DEST"
+tar czf "$DEST/vllm_site.tgz" .
+if [ -n "$WHL" ]; then
+  mkdir -p "$DEST/whl"
+  cp "$WHL"/*.whl "$DEST/whl/"
+fi
+du -sh "$DEST"/* 

@@ -1,0 +1,485 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Pure-PyTorch stand-ins for the handful of vLLM compiled ops that a tiny
+unquantized MoE model needs, so vLLM's Python tree can run on a machine whose
+torch does not match the wheel's compiled extensions (no vllm/*.so at all).
+
+Installed by two stub modules that the pack script drops into the copied tree:
+    vllm/_C_stable_libtorch.py       -> import vllm_pyshim; vllm_pyshim.install()
+    vllm/_moe_C_stable_libtorch.py   -> same
+(platforms/cuda.py does `import vllm._C_stable_libtorch` unconditionally.)
+
+Mechanism: torch.ops.<ns> for ns in (_C, _moe_C, _C_cache_ops, _C_cuda_utils)
+is replaced by a namespace object whose attributes are plain Python functions;
+unknown names fall through to the real torch.ops namespace (so hasattr()
+probes behave as without the extension) and are logged once to stderr as
+"[pyshim] missing op ns.name" so a run shows which compiled ops were asked for.
+
+The project's copy of ../shared/tools/gpu/vllm_pyshim.py (tests/gpu/
+pack_vllm_carry.sh packs this one). Every stand-in is capturable in a CUDA
+graph (no host synchronisation, no data-dependent shapes): Model Runner V2
+can capture full decode graphs with ``compilation_config={"mode": 0,
+"cudagraph_mode": "FULL_DECODE_ONLY"}``. They are not torch.library ops, so
+torch.compile (mode > 0) stays out of scope. Changed from the shared copy:
+``moe_align_block_size`` counts with ``scatter_add_`` and places tokens with
+a scatter into a scratch slot instead of ``bincount`` and boolean indexing,
+and ``reshape_and_cache_flash`` sends padding tokens (slot -1) to slot 0,
+which is in vLLM's null block (block 0, never handed to a request), instead
+of dropping them with a boolean mask; both of those synchronised with the
+host, which a capture refuses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+_LOG_MISSING = os.environ.get("VLLM_PYSHIM_QUIET", "0") != "1"
+_CALLED: set[str] = set()
+_MISSING: set[str] = set()
+
+
+def _note_call(name: str) -> None:
+    if name not in _CALLED:
+        _CALLED.add(name)
+        print(f"[pyshim] first call of {name}", file=sys.stderr, flush=True)
+
+
+class _PyOp:
+    def __init__(self, qualname, fn):
+        self._qualname = qualname
+        self._fn = fn
+        self.__name__ = qualname.split(".")[-1]
+
+    def __call__(self, *args, **kwargs):
+        _note_call(self._qualname)
+        return self._fn(*args, **kwargs)
+
+    @property
+    def default(self):
+        return self
+
+    def __repr__(self):
+        return f"<pyshim op {self._qualname}>"
+
+
+class _ShimNamespace:
+    def __init__(self, name: str, real):
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_real", real)
+        object.__setattr__(self, "_ops", {})
+
+    def _add(self, fn, name=None):
+        name = name or fn.__name__
+        self._ops[name] = _PyOp(f"{self._name}.{name}", fn)
+        return fn
+
+    def __getattr__(self, op):
+        ops = object.__getattribute__(self, "_ops")
+        if op in ops:
+            return ops[op]
+        if op.startswith("__"):
+            raise AttributeError(op)
+        try:
+            return getattr(object.__getattribute__(self, "_real"), op)
+        except (AttributeError, RuntimeError):
+            key = f"{self._name}.{op}"
+            if _LOG_MISSING and key not in _MISSING:
+                _MISSING.add(key)
+                print(f"[pyshim] missing op {key}", file=sys.stderr, flush=True)
+            raise AttributeError(key) from None
+
+    def __dir__(self):
+        return sorted(self._ops)
+
+
+_INSTALLED = False
+NS: dict[str, _ShimNamespace] = {}
+
+
+def _ns(name: str) -> _ShimNamespace:
+    if name not in NS:
+        real = getattr(torch.ops, name)  # the real (lazily created) namespace
+        if isinstance(real, _ShimNamespace):
+            real = object.__getattribute__(real, "_real")
+        ns = _ShimNamespace(name, real)
+        setattr(torch.ops, name, ns)
+        NS[name] = ns
+    return NS[name]
+
+
+# ----------------------------------------------------------------------------
+# _C: activations, norms, rope, UVA view, misc
+# ----------------------------------------------------------------------------
+
+
+def silu_and_mul(out, x):
+    d = x.shape[-1] // 2
+    out.copy_(F.silu(x[..., :d]) * x[..., d:])
+
+
+def mul_and_silu(out, x):
+    d = x.shape[-1] // 2
+    out.copy_(x[..., :d] * F.silu(x[..., d:]))
+
+
+def gelu_and_mul(out, x):
+    d = x.shape[-1] // 2
+    out.copy_(F.gelu(x[..., :d]) * x[..., d:])
+
+
+def gelu_tanh_and_mul(out, x):
+    d = x.shape[-1] // 2
+    out.copy_(F.gelu(x[..., :d], approximate="tanh") * x[..., d:])
+
+
+def silu_and_mul_with_clamp(out, x, limit, alpha=1.0, beta=0.0):
+    d = x.shape[-1] // 2
+    g = x[..., :d].float().clamp(max=limit)
+    u = x[..., d:].float().clamp(min=-limit, max=limit)
+    out.copy_((F.silu(g) * (u * alpha + beta)).to(out.dtype))
+
+
+def _rms(xf, weight, eps, dtype):
+    var = xf.pow(2).mean(dim=-1, keepdim=True)
+    y = (xf * torch.rsqrt(var + eps)).to(dtype)
+    if weight is not None:
+        y = y * weight
+    return y
+
+
+def rms_norm(out, x, weight, epsilon):
+    out.copy_(_rms(x.float(), weight, epsilon, x.dtype))
+
+
+def fused_add_rms_norm(x, residual, weight, epsilon):
+    z = x + residual
+    residual.copy_(z)
+    x.copy_(_rms(z.float(), weight, epsilon, x.dtype))
+
+
+def _rope_apply(xr, cos, sin, is_neox):
+    # xr: [n, h, rot], cos/sin: [n, 1, rot/2] (fp32)
+    if is_neox:
+        x1, x2 = xr.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1 = xr[..., ::2]
+    x2 = xr[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def rotary_embedding(
+    positions,
+    query,
+    key,
+    head_size,
+    cos_sin_cache,
+    is_neox,
+    rope_dim_offset=0,
+    inverse=False,
+):
+    pos = positions.flatten()
+    n = pos.shape[0]
+    rot = cos_sin_cache.shape[-1]
+    cs = cos_sin_cache.index_select(0, pos).float()
+    cos, sin = cs.chunk(2, dim=-1)
+    if inverse:
+        sin = -sin
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    for t in (query, key):
+        if t is None:
+            continue
+        tv = t.view(n, -1, head_size)
+        xr = tv[..., rope_dim_offset : rope_dim_offset + rot]
+        xr.copy_(_rope_apply(xr.float(), cos, sin, is_neox).to(t.dtype))
+
+
+_UVA_MODE = None
+
+
+def _uva_view_dlpack(cpu_tensor: torch.Tensor) -> torch.Tensor:
+    """CUDA tensor aliasing pinned host memory (what vLLM's
+    get_cuda_view_from_cpu_tensor does with cudaHostGetDevicePointer).
+    Under UVA, cudaHostAlloc'ed memory has the same address on the device, so
+    re-label the CPU tensor's DLPack capsule as kDLCUDA and import it; the
+    capsule's deleter keeps the CPU tensor alive."""
+    dev = torch.cuda.current_device()
+    cap = torch.utils.dlpack.to_dlpack(cpu_tensor)
+    get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
+    get_ptr.restype = ctypes.c_void_p
+    get_ptr.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    p = get_ptr(cap, b"dltensor")
+    # DLManagedTensor.dl_tensor: {void* data; DLDevice{int32 type; int32 id}; ...}
+    ctypes.c_int32.from_address(p + 8).value = 2  # kDLCUDA
+    ctypes.c_int32.from_address(p + 12).value = dev
+    return torch.utils.dlpack.from_dlpack(cap)
+
+
+def get_cuda_view_from_cpu_tensor(cpu_tensor):
+    global _UVA_MODE
+    assert cpu_tensor.device.type == "cpu"
+    if cpu_tensor.numel() == 0:
+        return torch.empty(cpu_tensor.shape, dtype=cpu_tensor.dtype, device="cuda")
+    if not cpu_tensor.is_pinned():
+        raise RuntimeError("get_cuda_view_from_cpu_tensor: tensor is not pinned")
+    v = _uva_view_dlpack(cpu_tensor)
+    if _UVA_MODE is None:
+        _UVA_MODE = "dlpack"
+        print(
+            f"[pyshim] UVA view via DLPack relabel: cpu_ptr={cpu_tensor.data_ptr():#x}"
+            f" cuda_ptr={v.data_ptr():#x} dev={v.device}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return v
+
+
+def weak_ref_tensor(t):
+    # Not weak (keeps storage alive); only used on CUDA-graph paths.
+    return t.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def greedy_argmax(logits):
+    return logits.argmax(dim=-1).view(-1)
+
+
+# ----------------------------------------------------------------------------
+# _moe_C: routing, alignment, reduction
+# ----------------------------------------------------------------------------
+
+
+def _token_expert_indices(out, m, k):
+    if out is None:
+        return
+    ar_k = torch.arange(k, device=out.device, dtype=torch.int64)
+    ar_m = torch.arange(m, device=out.device, dtype=torch.int64)
+    out.copy_((ar_k[None, :] * m + ar_m[:, None]).to(out.dtype))
+
+
+def _topk_common(
+    scores, topk_weights, topk_ids, token_expert_indices, renormalize, bias, scale
+):
+    k = topk_weights.shape[-1]
+    sel = scores + bias.float() if bias is not None else scores
+    _, ids = torch.topk(sel, k, dim=-1)
+    w = scores.gather(-1, ids)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if scale != 1.0:
+        w = w * scale
+    topk_weights.copy_(w.to(topk_weights.dtype))
+    topk_ids.copy_(ids.to(topk_ids.dtype))
+    _token_expert_indices(token_expert_indices, scores.shape[0], k)
+
+
+def topk_softmax(
+    topk_weights,
+    topk_ids,
+    token_expert_indices,
+    gating_output,
+    renormalize=False,
+    e_score_correction_bias=None,
+    is_padding=None,
+):
+    scores = torch.softmax(gating_output.float(), dim=-1)
+    _topk_common(
+        scores,
+        topk_weights,
+        topk_ids,
+        token_expert_indices,
+        renormalize,
+        e_score_correction_bias,
+        1.0,
+    )
+
+
+def topk_sigmoid(
+    topk_weights,
+    topk_ids,
+    token_expert_indices,
+    gating_output,
+    renormalize=False,
+    e_score_correction_bias=None,
+    routed_scaling_factor=1.0,
+    is_padding=None,
+):
+    scores = torch.sigmoid(gating_output.float())
+    _topk_common(
+        scores,
+        topk_weights,
+        topk_ids,
+        token_expert_indices,
+        renormalize,
+        e_score_correction_bias,
+        routed_scaling_factor,
+    )
+
+
+def moe_align_block_size(
+    topk_ids,
+    num_experts,
+    block_size,
+    sorted_token_ids,
+    experts_ids,
+    num_tokens_post_pad,
+    expert_map=None,
+    scatter_idx=None,
+):
+    """Same contract as csrc/moe/moe_align_sum_kernels.cu, vectorised, no host
+    sync: per-expert segments padded to block_size, pad slots = numel, blocks
+    past the end get expert -1."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    if expert_map is not None:
+        local = torch.where(valid, expert_map[flat.clamp(0, num_experts - 1)], -1)
+        valid = valid & (local >= 0)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_size - 1) // block_size * block_size
+    cum_padded = torch.cumsum(padded, 0)
+    seg_start = cum_padded - padded
+    cnt_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    svalid = skey < num_experts
+    skey_c = skey.clamp(max=num_experts - 1)
+    rank = torch.arange(n, device=dev) - cnt_start[skey_c]
+    dest = seg_start[skey_c] + rank
+    # Invalid entries go to a scratch slot past the end, then dropped.
+    size = sorted_token_ids.numel()
+    placed = torch.full((size + 1,), n, dtype=sorted_token_ids.dtype, device=dev)
+    placed.scatter_(
+        0,
+        torch.where(svalid, dest, torch.full_like(dest, size)),
+        order.to(sorted_token_ids.dtype),
+    )
+    sorted_token_ids.copy_(placed[:size])
+    total = cum_padded[-1:] if num_experts > 0 else torch.zeros(1, device=dev)
+    num_tokens_post_pad.copy_(total.to(num_tokens_post_pad.dtype))
+    nblk = experts_ids.numel()
+    blk_start = torch.arange(nblk, device=dev, dtype=torch.int64) * block_size
+    e = torch.searchsorted(cum_padded, blk_start, right=True)
+    e = torch.where(e < num_experts, e, torch.full_like(e, -1))
+    if expert_map is not None:
+        e = torch.where(e >= 0, expert_map[e.clamp(min=0)].to(torch.int64), e)
+    experts_ids.copy_(e.to(experts_ids.dtype))
+    if scatter_idx is not None:
+        ar = torch.arange(n, device=dev, dtype=torch.int64)
+        scatter_idx.copy_(torch.where(valid, ar, -1).view(-1, 1).to(scatter_idx.dtype))
+
+
+def moe_sum(inp, output, topk_ids=None, expert_map=None):
+    if topk_ids is not None and expert_map is not None:
+        keep = expert_map[topk_ids.long()] >= 0
+        inp = inp * keep.unsqueeze(-1).to(inp.dtype)
+    output.copy_(inp.sum(dim=1).to(output.dtype))
+
+
+def moe_permute_unpermute_supported():
+    return False
+
+
+# ----------------------------------------------------------------------------
+# _C_cache_ops / _C_cuda_utils (FLEX_ATTENTION path, misc queries)
+# ----------------------------------------------------------------------------
+
+
+def reshape_and_cache_flash(
+    key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
+):
+    bs = key_cache.shape[1]
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    # Padding tokens (slot -1) write into slot 0, in the null block (block 0
+    # is never given to a request), so no boolean mask syncs with the host.
+    s = torch.where(slots >= 0, slots, torch.zeros_like(slots))
+    blk, off = s // bs, s % bs
+    key_cache[blk, off] = key[:n].to(key_cache.dtype)
+    value_cache[blk, off] = value[:n].to(value_cache.dtype)
+
+
+def vocab_parallel_embedding(
+    out, input_ids, weight, org_start, org_end, num_org_padding, added_start, added_end
+):
+    """TP > 1 embedding lookup: this rank's rows, zeros for ids it does not own
+    (same arithmetic as vLLM's get_masked_input_and_mask)."""
+    ids = input_ids.long()
+    org = (ids >= org_start) & (ids < org_end)
+    added = (ids >= added_start) & (ids < added_end)
+    added_offset = added_start - (org_end - org_start) - num_org_padding
+    local = ids - (org_start * org + added_offset * added)
+    valid = org | added
+    rows = weight[torch.where(valid, local, torch.zeros_like(local))]
+    out.copy_(rows * valid.unsqueeze(-1).to(rows.dtype))
+
+
+def get_max_shared_memory_per_block_device_attribute(device):
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _false(*args, **kwargs):
+    return False
+
+
+# capability queries answered "no" (no CUTLASS/Machete kernels without the .so)
+_C_FALSE_QUERIES = (
+    "cutlass_scaled_mm_supports_block_fp8",
+    "cutlass_scaled_mm_supports_fp8",
+    "cutlass_scaled_mm_supports_fp4",
+    "cutlass_group_gemm_supported",
+    "mxfp4_experts_quant_supported",
+    "is_onednn_acl_supported",
+)
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    c = _ns("_C")
+    for fn in (
+        silu_and_mul,
+        mul_and_silu,
+        gelu_and_mul,
+        gelu_tanh_and_mul,
+        silu_and_mul_with_clamp,
+        rms_norm,
+        fused_add_rms_norm,
+        rotary_embedding,
+        get_cuda_view_from_cpu_tensor,
+        weak_ref_tensor,
+        greedy_argmax,
+        vocab_parallel_embedding,
+    ):
+        c._add(fn)
+    for q in _C_FALSE_QUERIES:
+        c._add(_false, q)
+    m = _ns("_moe_C")
+    for fn in (
+        topk_softmax,
+        topk_sigmoid,
+        moe_align_block_size,
+        moe_sum,
+        moe_permute_unpermute_supported,
+    ):
+        m._add(fn)
+    _ns("_C_cache_ops")._add(reshape_and_cache_flash)
+    _ns("_C_cuda_utils")._add(get_max_shared_memory_per_block_device_attribute)
+    print(
+        "[pyshim] installed pure-torch stand-ins for vLLM compiled ops "
+        f"(torch {torch.__version__})",
+        file=sys.stderr,
+        flush=True,
+    )
