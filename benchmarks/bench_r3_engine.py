@@ -38,16 +38,18 @@ float32 by default; ``max_position`` raised for the long request),
    process only; it patches the classes when vLLM imports them, in every
    process of the engine: EngineCore and the worker). Reported: microseconds
    per engine step on the scheduler side (``build_meta``,
-   ``update_from_output``, ``on_finish``, ``hold``, ``on_preempt``,
-   ``has_pending``, ``owes_output``) and on the worker's step thread
+   ``update_from_output``, ``on_finish``, ``on_preempt``,
+   ``has_pending``, ``owes_output``; ``take_done`` only when it returns
+   arrays) and on the worker's step thread
    (``begin_step``, ``prepare_step``, ``enqueue_cpu_copy``, ``process``,
    ``no_forward``), with the per-method split, the publication thread's CPU
    per step (``ArtifactPublisher._process``/``_upkeep``, thread CPU time),
    and the step's mean wall time for scale. The last timers run also
    serves the long request with the wrappers on: the time of the
-   ``update_from_output`` call (and of ``read_rows`` inside it) that reads
-   its rows, and the time from the scheduler's ``on_finish`` of the request
-   to the end of that call.
+   ``update_from_output`` call that takes its acknowledgement, of the route
+   reader's ``read_batch`` that reads its rows (on the reader thread), and
+   the time from the scheduler's ``on_finish`` of the request to the
+   ``take_done`` that hands its array back.
 
 3. ``long``: one request of ``--long-prompt`` random tokens
    (``max_model_len`` = prompt + 1024 in every part-1 engine, whether it
@@ -187,16 +189,6 @@ if os.environ.get("BENCH_R3_TIMERS"):
         _wrap(s, "on_preempt", "sched.on_preempt")
         _wrap(s, "has_pending", "sched.has_pending")
         _wrap(s, "owes_output", "sched.owes_output")
-        orig_read = mod.read_rows
-
-        def read_rows(*args, **kwargs):
-            t = time.perf_counter()
-            w = time.time()
-            out = orig_read(*args, **kwargs)
-            _REC.append((w, "read_rows", time.perf_counter() - t, None, len(out)))
-            return out
-
-        mod.read_rows = read_rows
         _flush_on_close(s)
 
     def _patch_worker(mod):
@@ -219,6 +211,31 @@ if os.environ.get("BENCH_R3_TIMERS"):
 
         cls.close = close
 
+    def _patch_route_reader(mod):
+        orig_read = mod.read_batch
+
+        def read_batch(*args, **kwargs):
+            t = time.perf_counter()
+            w = time.time()
+            out = orig_read(*args, **kwargs)
+            rows = sum(r.num_rows - r.first_row for r in args[2])
+            _REC.append((w, "read_batch", time.perf_counter() - t, None, rows))
+            return out
+
+        mod.read_batch = read_batch
+        orig_take = mod.RouteReader.take_done
+
+        def take_done(self, _orig=orig_take):
+            t = time.perf_counter()
+            w = time.time()
+            done = _orig(self)
+            if done:
+                ids = [r.req_id for r in done]
+                _REC.append((w, "sched.take_done", time.perf_counter() - t, None, ids))
+            return done
+
+        mod.RouteReader.take_done = take_done
+
     def _patch_publisher(mod):
         p = mod.ArtifactPublisher
         _wrap(p, "_process", "thread._process", thread_cpu=True)
@@ -228,6 +245,7 @@ if os.environ.get("BENCH_R3_TIMERS"):
         "vllm.distributed.artifact_connector.scheduler": _patch_scheduler,
         "vllm.distributed.artifact_connector.worker": _patch_worker,
         "vllm.distributed.artifact_connector.publisher": _patch_publisher,
+        "vllm.distributed.artifact_connector.route_reader": _patch_route_reader,
     }
 
     class _Loader(importlib.abc.Loader):
@@ -590,7 +608,7 @@ SCHED = (
     "sched.build_meta",
     "sched.update_from_output",
     "sched.on_finish",
-    "sched.hold",
+    "sched.take_done",
     "sched.on_preempt",
     "sched.has_pending",
     "sched.owes_output",
@@ -688,7 +706,7 @@ def _timer_summary(records: dict[int, list], lo: float, hi: float) -> dict:
         "per_step_us": per_step,
         "per_call_p50_us": {
             k: round(1e6 * statistics.median(r[2] for r in by[k]), 1)
-            for k in (*SCHED, *WORKER, "read_rows")
+            for k in (*SCHED, *WORKER, "read_batch")
             if by.get(k)
         },
         "scheduler_split_us": sched,
@@ -713,21 +731,28 @@ def _long_read(records: dict[int, list], lo: float, hi: float, rows: int) -> dic
         for r in recs
         if r[1] == "sched.on_finish" and r[4] and str(r[4][0]).startswith("long-timed")
     ]
-    reads = [
+    acked = [
         r
         for r in recs
         if r[1] == "sched.update_from_output"
         and r[4]
         and any(str(req).startswith("long-timed") for req, _ in r[4])
     ]
-    rr = [r for r in recs if r[1] == "read_rows" and r[4] and r[4] >= rows - 1]
+    # The routes go out with the step that takes the route reader's array.
+    reads = [
+        r
+        for r in recs
+        if r[1] == "sched.take_done"
+        and any(str(req).startswith("long-timed") for req in r[4])
+    ]
+    rr = [r for r in recs if r[1] == "read_batch" and r[4] and r[4] >= rows - 1]
     out: dict = {}
-    if reads:
-        u = reads[-1]
+    if acked:
+        u = acked[-1]
         out["update_from_output_ms"] = round(1e3 * u[2], 3)
         out["rows_acked"] = u[4]
     if rr:
-        out["read_rows_ms"] = round(1e3 * rr[-1][2], 3)
+        out["read_batch_ms"] = round(1e3 * rr[-1][2], 3)
         out["rows_read"] = rr[-1][4]
     if fin and reads:
         out["on_finish_to_emitted_ms"] = round(

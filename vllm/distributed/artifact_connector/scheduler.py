@@ -198,13 +198,18 @@ class ArtifactSchedulerConnector:
                 )
             self._start_attempt(record, request, new.num_computed_tokens)
         self._step_empty = scheduler_output.total_num_scheduled_tokens == 0
+        # Every running request, every step: kept to a length comparison
+        # per request (the base's own block hasher runs per request per step).
         for record in self._records.values():
-            if record.phase in (Phase.FINISHING, Phase.READING):
+            live, parked = record.live, record.parked
+            if (live is None and parked is None) or record.phase in (
+                Phase.FINISHING,
+                Phase.READING,
+            ):
                 continue
             request = requests[record.req_id]
-            if record.live is not None:
-                self._queue_hashes(record, record.live, request.block_hashes)
-            parked = record.parked
+            if live is not None and len(request.block_hashes) > live.hashes_sent:
+                self._queue_hashes(record, live, request.block_hashes)
             if parked is not None and request.num_computed_tokens >= parked.computed:
                 # The resumed attempt has recomputed everything the parked
                 # one held: drain the parked one.
