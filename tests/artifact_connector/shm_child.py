@@ -51,9 +51,9 @@ def _load():
     logger_mod.init_logger = logging.getLogger  # type: ignore[attr-defined]
     sys.modules["vllm.logger"] = logger_mod
     from vllm.distributed.artifact_connector import shm, store
-    from vllm.distributed.artifact_connector.shm import writer as writer_mod
+    from vllm.distributed.artifact_connector.shm import files as files_mod
 
-    return shm, store, writer_mod
+    return shm, store, files_mod
 
 
 def _kill_self():
@@ -61,7 +61,7 @@ def _kill_self():
 
 
 def writer(root, ns, nbatches, batch, size, fault_batch, stage, hold, status):
-    shm, _, writer_mod = _load()
+    shm, _, files_mod = _load()
     w = shm.ShmStoreWriter(root, ns)
     # status[0]: batches published; status[1]: 1 while inside put_batch.
     st = None
@@ -72,14 +72,14 @@ def writer(root, ns, nbatches, batch, size, fault_batch, stage, hold, status):
     for b in range(nbatches):
         items = [(key(i), payload(i, size)) for i in range(b * batch, (b + 1) * batch)]
         if b == fault_batch and stage == "mid_index":
-            real = writer_mod.write_all
+            real = files_mod.write_all
 
             def half_then_die(fd, bufs, offset, _real=real):
                 data = b"".join(bytes(x) for x in bufs)
                 _real(fd, [data[: len(data) // 2]], offset)
                 _kill_self()
 
-            writer_mod.write_all = half_then_die
+            files_mod.write_all = half_then_die
         values = [v for _, v in items]
 
         def fill(buf, _values=values, _b=b):

@@ -23,6 +23,8 @@ from vllm.distributed.artifact_connector.shm import (
     collect_stale_stores,
     make_namespace,
 )
+from vllm.distributed.artifact_connector.shm import files as files_mod
+from vllm.distributed.artifact_connector.shm import limits as limits_mod
 from vllm.distributed.artifact_connector.shm import writer as writer_mod
 from vllm.distributed.artifact_connector.store import (
     ChecksumMismatchError,
@@ -170,10 +172,10 @@ def test_min_capacity_is_the_smallest_store_the_writer_accepts(shm_root):
         finally:
             w.close()
 
-    assert MIN_CAPACITY_BYTES == writer_mod.MIN_CAPACITY_BYTES
+    assert MIN_CAPACITY_BYTES == limits_mod.MIN_CAPACITY_BYTES
     fill(MIN_CAPACITY_BYTES, shm_root)
     with pytest.raises(StoreCapacityError):
-        fill(2 * writer_mod.MIN_ARENA_BYTES, shm_root)
+        fill(2 * limits_mod.MIN_ARENA_BYTES, shm_root)
 
 
 def test_every_entry_is_private(writer, shm_root):
@@ -697,7 +699,7 @@ def test_store_io_error_is_typed(writer, monkeypatch):
     def broken(fd, bufs, offset):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(writer_mod, "write_all", broken)
+    monkeypatch.setattr(files_mod, "write_all", broken)
     with pytest.raises(StoreIOError):
         put(writer, [(key(1), b"x")])
     assert writer.lookup([key(1)]) == [None]
@@ -705,7 +707,7 @@ def test_store_io_error_is_typed(writer, monkeypatch):
 
 # ----------------------------------------------------------------- damage
 def _upkeep_now(w: ShmStoreWriter) -> None:
-    w._last_check = 0.0  # the damage check runs at most every 100 ms
+    w._repair.last_check = 0.0  # the damage check runs at most every 100 ms
     w.maintain()
 
 

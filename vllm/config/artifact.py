@@ -13,7 +13,7 @@ import numpy as np
 from pydantic import Field
 
 from vllm.config.utils import config
-from vllm.distributed.artifact_connector.shm.writer import (
+from vllm.distributed.artifact_connector.shm.limits import (
     DEFAULT_CAPACITY_BYTES,
     DEFAULT_INACTIVE_TTL_S,
     MIN_CAPACITY_BYTES,

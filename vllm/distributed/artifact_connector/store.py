@@ -189,8 +189,10 @@ CheckFn = Callable[[np.ndarray, np.ndarray], None]
 # The contract
 # --------------------------------------------------------------------------
 class ObjectStoreWriter(ABC):
-    """The writing side of a store. Not thread-safe: one thread owns it
-    (the worker's publication thread)."""
+    """The writing side of a store. Thread-safe: the worker's publication
+    thread puts, retains, releases, looks up and runs the upkeep while the
+    engine's thread reads ``stats``; implementations serialise their
+    methods (the ``/dev/shm`` writer with one lock)."""
 
     @abstractmethod
     def put_batch(
@@ -235,7 +237,8 @@ class ObjectStoreWriter(ABC):
 
 
 class ObjectStoreReader(ABC):
-    """The reading side of a store (any process of the store's user)."""
+    """The reading side of a store (any process of the store's user). Not
+    thread-safe: one thread uses it (the scheduler's route reader)."""
 
     @abstractmethod
     def read_into(

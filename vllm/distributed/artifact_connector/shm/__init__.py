@@ -13,8 +13,12 @@ One store is one *namespace* with one writer process::
 
 One module per job:
 
-* :mod:`.writer` - :class:`ShmStoreWriter`: batched puts, retention,
-  eviction, upkeep (spare arena, log compaction, collection).
+* :mod:`.writer` - :class:`ShmStoreWriter`: batched puts, eviction, upkeep
+  (spare arena, log compaction, collection).
+* :mod:`.files` - the store's directory, writer record and index log;
+  :mod:`.repair` - noticing files removed behind the writer;
+  :mod:`.retention` - which keys live attempts hold; :mod:`.limits` - the
+  defaults and limits.
 * :mod:`.reader` - :class:`ShmStoreReader`: verified reads into a buffer.
 * :mod:`.log` - the index log's format; :mod:`.index` - the in-memory index.
 * :mod:`.arena` - arena files; :mod:`.collect` - writer identity and the
@@ -30,12 +34,12 @@ from vllm.distributed.artifact_connector.shm.collect import (
     collect_stale_stores,
     make_namespace,
 )
-from vllm.distributed.artifact_connector.shm.reader import ShmStoreReader
-from vllm.distributed.artifact_connector.shm.writer import (
+from vllm.distributed.artifact_connector.shm.limits import (
     DEFAULT_CAPACITY_BYTES,
     DEFAULT_INACTIVE_TTL_S,
-    ShmStoreWriter,
 )
+from vllm.distributed.artifact_connector.shm.reader import ShmStoreReader
+from vllm.distributed.artifact_connector.shm.writer import ShmStoreWriter
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",

@@ -14,10 +14,12 @@ objects at about 100 bytes of index per object.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from vllm.distributed.artifact_connector.shm import log
-from vllm.distributed.artifact_connector.store import KEY_HEX_LEN
+from vllm.distributed.artifact_connector.store import KEY_HEX_LEN, PutStatus
 
 
 def hex_keys(raw: bytes) -> list[str]:
@@ -71,6 +73,45 @@ class Index:
 
     def has_key(self, key: str) -> bool:
         return key in self.current or key in self.older
+
+    def classify(
+        self,
+        keys: list[str],
+        cs: np.ndarray,
+        locs: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        same_bytes: Callable[[int, int, int, int], bool],
+    ) -> list[PutStatus]:
+        """Status of each object of a batch about to be indexed at ``locs``
+        / ``offs``. An identical version (same checksum and, by
+        ``same_bytes(slot, arena, off, len)``, the same bytes) that exists
+        already, or earlier in the batch, is pointed at instead: its
+        ``locs``/``offs`` are updated, and the fresh copy stays unindexed."""
+        if (
+            self.current.keys().isdisjoint(keys)
+            and self.older.keys().isdisjoint(keys)
+            and len(set(keys)) == len(keys)
+        ):
+            return [PutStatus.WRITTEN] * len(keys)
+        statuses = []
+        seen: dict[tuple[str, int], int] = {}
+        for i, key in enumerate(keys):
+            c = int(cs[i])
+            s = self.find(key, c)
+            if s is not None and same_bytes(s, locs[i], offs[i], lens[i]):
+                locs[i], offs[i] = self.arena[s], self.off[s]
+                statuses.append(PutStatus.IDENTICAL)
+            elif (key, c) in seen:  # repeated within the batch
+                j = seen[(key, c)]
+                locs[i], offs[i] = locs[j], offs[j]
+                statuses.append(PutStatus.IDENTICAL)
+            else:
+                repeated = any(k == key for k, _ in seen)
+                diverged = self.has_key(key) or repeated
+                statuses.append(PutStatus.DIVERGED if diverged else PutStatus.WRITTEN)
+                seen[(key, c)] = i
+        return statuses
 
     def put(
         self,

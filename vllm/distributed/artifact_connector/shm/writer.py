@@ -20,16 +20,18 @@ Slow work runs in :meth:`ShmStoreWriter.maintain`, which the owner calls
 when it is idle (the worker's publication thread between batches): it
 prepares the next arena ahead of need, compacts the log, refreshes the
 writer record and collects stale stores of other writers. It also notices
-files removed behind the writer (an operator's ``rm``): a deleted arena is
-retired, its retained objects copied out of the writer's own mapping; a
-removed directory, index log or writer record makes it recreate the store,
-empty, at the same place, and readers follow.
+files removed behind the writer (``repair``).
+
+The other jobs live beside it: the directory and its files (``files``),
+which keys are retained (``retention``), the index (``index``) and its log
+format (``log``). A writer is used from two threads (the publication thread
+puts, retains, releases and looks up; the engine thread reads ``stats``):
+every public method takes its one lock.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import threading
 import time
@@ -40,15 +42,26 @@ import numpy as np
 from vllm.distributed.artifact_connector.shm import log
 from vllm.distributed.artifact_connector.shm.arena import Arena, align, arena_name
 from vllm.distributed.artifact_connector.shm.collect import (
-    INDEX_FILE,
     NAMESPACE_RE,
-    WRITER_FILE,
-    WriterIdentity,
     collect_stale_stores,
-    collect_store,
-    remove_namespace,
 )
+from vllm.distributed.artifact_connector.shm.files import StoreFiles, io_error
 from vllm.distributed.artifact_connector.shm.index import Index
+from vllm.distributed.artifact_connector.shm.limits import (
+    DEFAULT_CAPACITY_BYTES,
+    DEFAULT_COLLECT_INTERVAL_S,
+    DEFAULT_INACTIVE_TTL_S,
+    HEARTBEAT_INTERVAL_S,
+    MAX_ARENA_BYTES,
+    MIN_ARENA_BYTES,
+    default_arena_bytes,
+)
+from vllm.distributed.artifact_connector.shm.repair import (
+    RepairState,
+    files_in_place,
+    lost_arenas,
+)
+from vllm.distributed.artifact_connector.shm.retention import Retention
 from vllm.distributed.artifact_connector.store import (
     ArtifactError,
     FillFn,
@@ -64,57 +77,16 @@ from vllm.distributed.artifact_connector.store import (
     checksum,
     keys_to_bytes,
 )
-from vllm.distributed.safe_fs import (
-    ensure_private_shm_dir,
-    open_private_dir,
-    open_private_file,
-    write_all,
-)
+from vllm.distributed.safe_fs import ensure_private_shm_dir
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-DEFAULT_CAPACITY_BYTES = 8 << 30
-DEFAULT_INACTIVE_TTL_S = 3600.0
-DEFAULT_COLLECT_INTERVAL_S = 300.0
-HEARTBEAT_INTERVAL_S = 10.0
-# Arenas are capacity / 16, clamped to [MIN_ARENA_BYTES, MAX_ARENA_BYTES].
-MIN_ARENA_BYTES = 64 << 10
-MAX_ARENA_BYTES = 64 << 20
-# The smallest store that keeps serving puts: a full active arena is evicted
-# only once the next one exists, so two arenas must fit next to the index
-# log and the writer record (the third arena's room). With exactly two
-# arenas the writer starts, but the first full arena stops every put.
-MIN_CAPACITY_BYTES = 3 * MIN_ARENA_BYTES
-# A store whose writer cannot be checked is judged by its heartbeat: a TTL
-# must outlast a few heartbeat intervals, or a live writer's store (another
-# pid namespace, or one not yet holding its writer record) is collected.
-MIN_INACTIVE_TTL_S = 3 * HEARTBEAT_INTERVAL_S
-# How often upkeep checks that the store's files are still in place.
-STORE_CHECK_INTERVAL_S = 0.1
-# How often a store that cannot be recreated says so again in the log.
-BROKEN_LOG_INTERVAL_S = 10.0
 # Compact when the log is this many times the size of a snapshot.
 _COMPACT_RATIO = 4
 _COMPACT_MIN_BYTES = 1 << 20
 # The index records of an eviction that moves nothing: one RETIRE batch.
 _EVICT_RECORD_BYTES = log.BATCH_HEADER.size + log.RECORD_NBYTES
-
-
-def default_arena_bytes(capacity_bytes: int) -> int:
-    """The arena size of a store of ``capacity_bytes``."""
-    return min(MAX_ARENA_BYTES, max(MIN_ARENA_BYTES, capacity_bytes // 16))
-
-
-def _io_error(e: OSError, what: str) -> Exception:
-    """The typed error for a failed write: a full file system is a capacity
-    error, anything else an I/O error."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StoreCapacityError(
-            f"{what} failed: /dev/shm is full ({e}); free space there or lower "
-            "the artifact store capacity"
-        )
-    return StoreIOError(f"{what} failed: {e}")
 
 
 class ShmStoreWriter(ObjectStoreWriter):
@@ -146,9 +118,10 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._lock = threading.Lock()
         self._closed = True
         try:
-            self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
+            real_root = ensure_private_shm_dir(root, error=UnsafeStoreError)
         except OSError as e:
-            raise _io_error(e, f"creating the artifact store root {root}") from e
+            raise io_error(e, f"creating the artifact store root {root}") from e
+        self._files = StoreFiles(root, real_root, namespace)
         self._namespace = namespace
         self._capacity = capacity_bytes
         if arena_bytes is None:
@@ -166,8 +139,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._active: Arena | None = None
         self._spare: Arena | None = None
         self._next_id = 1  # arena ids and snapshot file ids
-        self._retain_count: dict[str, int] = {}
-        self._owners: dict[str, set[str]] = {}
+        self._retention = Retention()
         self._counts = {
             "puts_written": 0,
             "puts_identical": 0,
@@ -181,15 +153,11 @@ class ShmStoreWriter(ObjectStoreWriter):
             "stores_recreated": 0,
             "arenas_lost": 0,
         }
-        self._root_fd = self._ns_fd = self._log_fd = self._writer_fd = -1
         self._last_collect = 0.0
-        self._log_size = self._record_bytes = 0
-        self._root_arg = root
-        self._broken: str | None = None  # why the store could not be recreated
-        self._last_check = self._last_broken_log = 0.0
+        self._repair = RepairState()
         self._collect(force=True)
         self._check_room()
-        self._create_store()
+        self._counts["stores_collected"] += self._files.create(self._ttl)
         self._last_heartbeat = time.monotonic()
         self._closed = False
 
@@ -198,17 +166,18 @@ class ShmStoreWriter(ObjectStoreWriter):
         the store needs at once (a container's default 64 MiB ``/dev/shm``
         and the default capacity): every request would fail otherwise."""
         need = 2 * self._arena_bytes
+        root = self._files.root
         try:
-            st = os.statvfs(self._root)
+            st = os.statvfs(root)
         except OSError as e:
-            raise _io_error(e, f"checking the free space under {self._root}") from e
+            raise io_error(e, f"checking the free space under {root}") from e
         free = st.f_bavail * st.f_frsize
         if free >= need:
             return
         with contextlib.suppress(OSError):
-            os.rmdir(self._root)  # only if this writer just created it, empty
+            os.rmdir(root)  # only if this writer just created it, empty
         raise StoreCapacityError(
-            f"{self._root} has {free / (1 << 20):.1f} MiB free; the routed-experts "
+            f"{root} has {free / (1 << 20):.1f} MiB free; the routed-experts "
             f"store needs at least {need / (1 << 20):.1f} MiB to start (an active "
             f"and a spare arena of {self._arena_bytes / (1 << 20):.1f} MiB). Give "
             "/dev/shm more room (e.g. `docker run --shm-size=16g`, or a larger "
@@ -217,96 +186,13 @@ class ShmStoreWriter(ObjectStoreWriter):
             f"KiB to {MAX_ARENA_BYTES >> 20} MiB)."
         )
 
-    def _create_store(self) -> None:
-        """Create this store's directory and files under the root: at start,
-        and again when they were removed behind the writer (see
-        :meth:`_check_store`). On failure nothing of it is left."""
-        root, namespace = self._root_arg, self._namespace
-        for attempt in range(3):
-            try:
-                self._root_fd = open_private_dir(self._root, error=UnsafeStoreError)
-            except FileNotFoundError:
-                # Another engine removed the (empty) root as it closed.
-                self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
-                continue
-            except OSError as e:
-                raise _io_error(e, f"opening the artifact store root {root}") from e
-            try:
-                os.mkdir(namespace, 0o700, dir_fd=self._root_fd)
-                break
-            except FileExistsError as e:
-                # Namespaces are fresh per engine instance, so this is a
-                # store of an earlier writer of the same instance. Take its
-                # place only if that writer is proven gone (as any stale
-                # store is collected); never share a store with a live one.
-                state, _ = collect_store(self._root_fd, namespace, self._ttl)
-                if state == "removed" and attempt < 2:
-                    self._counts["stores_collected"] += 1
-                    logger.warning(
-                        "artifact store: removed a stale store of a dead "
-                        "writer with this engine's namespace %s",
-                        namespace,
-                    )
-                    os.close(self._root_fd)
-                    self._root_fd = -1
-                    continue
-                os.close(self._root_fd)
-                self._root_fd = -1
-                why = {
-                    "alive": "its writer is still running",
-                    "recent": "its writer cannot be checked and it was active "
-                    "within the inactive TTL",
-                }.get(state, "it cannot be removed")
-                raise UnsafeStoreError(
-                    f"artifact namespace {namespace} already exists under "
-                    f"{self._root} and {why}; namespaces are per engine "
-                    "instance and fresh"
-                ) from e
-            except FileNotFoundError as e:
-                # The root was removed between opening and mkdir: again.
-                os.close(self._root_fd)
-                self._root_fd = -1
-                if attempt == 2:
-                    raise _io_error(e, f"creating artifact store {namespace}") from e
-                self._root = ensure_private_shm_dir(root, error=UnsafeStoreError)
-        else:
-            raise StoreIOError(
-                f"creating artifact store {namespace} under {root} failed: the "
-                "root kept disappearing"
-            )
-        try:
-            self._ns_fd = open_private_dir(
-                namespace, dir_fd=self._root_fd, error=UnsafeStoreError
-            )
-            create = os.O_RDWR | os.O_CREAT | os.O_EXCL
-            self._writer_fd = open_private_file(
-                WRITER_FILE,
-                self._ns_fd,
-                create,
-                "writer record",
-                error=UnsafeStoreError,
-            )
-            self._record_bytes = write_all(
-                self._writer_fd, [WriterIdentity.current().to_json()], 0
-            )
-            self._log_fd = open_private_file(
-                INDEX_FILE, self._ns_fd, create, "index log", error=UnsafeStoreError
-            )
-            self._log_size = write_all(self._log_fd, [log.header_bytes()], 0)
-        except OSError as e:
-            self._release_files()
-            raise _io_error(e, f"creating artifact store {namespace}") from e
-        except BaseException:
-            self._release_files()
-            raise
-
     @property
     def namespace(self) -> str:
         return self._namespace
 
     @property
     def root(self) -> str:
-        return self._root
+        return self._files.root
 
     def _check_open(self) -> None:
         if self._closed:
@@ -316,7 +202,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         """Bytes on disk: arenas (the spare included), index log, writer
         record."""
         arenas = sum(a.size for a in self._arenas.values())
-        return arenas + self._log_size + self._record_bytes
+        return arenas + self._files.log_size + self._files.record_bytes
 
     # ------------------------------------------------------------ put
     def put_batch(
@@ -333,15 +219,16 @@ class ShmStoreWriter(ObjectStoreWriter):
         ``stats().divergences``."""
         with self._lock:
             self._check_open()
-            if self._broken is not None:
+            broken = self._repair.broken
+            if broken is not None:
                 raise StoreIOError(
                     f"artifact store {self._namespace} was removed behind the "
-                    f"engine and cannot be recreated yet: {self._broken}"
+                    f"engine and cannot be recreated yet: {broken}"
                 )
             try:
                 return self._put_batch(keys, lengths, fill, owners)
             except OSError as e:  # e.g. an arena file that cannot be created
-                raise _io_error(e, "publishing to the artifact store") from e
+                raise io_error(e, "publishing to the artifact store") from e
 
     def _put_batch(
         self,
@@ -382,14 +269,15 @@ class ShmStoreWriter(ObjectStoreWriter):
             raise ValueError("fill must return one checksum per object")
         locs = np.full(n, arena.aid, np.int64)
         offs += base
-        statuses = self._classify(keys, cs, locs, offs, lens)
+        statuses = self._index.classify(keys, cs, locs, offs, lens, self._same_bytes)
         self._append_log(log.records(log.PUT, keys_raw, locs, offs, lens, cs))
         self._index.put(keys, keys_raw, locs, offs, lens, cs)
         for s in statuses:
             self._counts[_STATUS_COUNTER[s]] += 1
         if owners is not None:
+            retain = self._retention.retain
             for owner, key in zip(owners, keys):
-                self._retain(owner, (key,))
+                retain(owner, (key,))
         self._heartbeat()
         return PutResult(
             tuple(
@@ -398,43 +286,6 @@ class ShmStoreWriter(ObjectStoreWriter):
             ),
             tuple(statuses),
         )
-
-    def _classify(
-        self,
-        keys: list[str],
-        cs: np.ndarray,
-        locs: np.ndarray,
-        offs: np.ndarray,
-        lens: np.ndarray,
-    ) -> list[PutStatus]:
-        """Status per object. An identical version that exists already is
-        pointed at (``locs``/``offs`` updated; the fresh copy is left
-        unindexed)."""
-        idx = self._index
-        if (
-            idx.current.keys().isdisjoint(keys)
-            and idx.older.keys().isdisjoint(keys)
-            and len(set(keys)) == len(keys)
-        ):
-            return [PutStatus.WRITTEN] * len(keys)
-        statuses = []
-        seen: dict[tuple[str, int], int] = {}
-        for i, key in enumerate(keys):
-            c = int(cs[i])
-            s = idx.find(key, c)
-            if s is not None and self._same_bytes(s, locs[i], offs[i], lens[i]):
-                locs[i], offs[i] = idx.arena[s], idx.off[s]
-                statuses.append(PutStatus.IDENTICAL)
-            elif (key, c) in seen:  # repeated within the batch
-                j = seen[(key, c)]
-                locs[i], offs[i] = locs[j], offs[j]
-                statuses.append(PutStatus.IDENTICAL)
-            else:
-                repeated = any(k == key for k, _ in seen)
-                diverged = idx.has_key(key) or repeated
-                statuses.append(PutStatus.DIVERGED if diverged else PutStatus.WRITTEN)
-                seen[(key, c)] = i
-        return statuses
 
     def _same_bytes(self, slot: int, aid: int, off: int, ln: int) -> bool:
         idx = self._index
@@ -447,12 +298,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         )
 
     def _append_log(self, recs: np.ndarray) -> None:
-        data = log.encode_batch(recs)
-        try:
-            write_all(self._log_fd, [data], self._log_size)
-        except OSError as e:
-            raise _io_error(e, "appending to the artifact index log") from e
-        self._log_size += len(data)
+        self._files.append_log(log.encode_batch(recs))
 
     # ------------------------------------------------------------ space
     def _reserve(self, nbytes: int, log_bytes: int) -> tuple[Arena, int]:
@@ -478,14 +324,14 @@ class ShmStoreWriter(ObjectStoreWriter):
     def _start_arena(self, size: int) -> Arena:
         aid = self._next_id
         self._next_id += 1
-        arena = Arena.create(self._ns_fd, aid, size)
+        arena = Arena.create(self._files.ns_fd, aid, size)
         self._arenas[aid] = arena
         self._counts["arenas_started"] += 1
         return arena
 
     def _retained_bytes(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
         idx = self._index
-        retained = self._retain_count
+        retained = self._retention
         keep = np.fromiter(
             (key in retained for key in idx.keys_of(slots)), np.bool_, slots.shape[0]
         )
@@ -508,13 +354,13 @@ class ShmStoreWriter(ObjectStoreWriter):
                 if self._evict(aid):
                     break
             else:
-                retained = sum(self._retain_count.values())
+                retention = self._retention
                 raise StoreCapacityError(
                     f"artifact store full: {self._used()} of {self._capacity} "
                     f"bytes in use, {need} more needed, and the rest is held by "
-                    f"{len(self._owners)} live request attempts ({retained} "
-                    "retained objects); raise the artifact capacity or lower "
-                    "the number of concurrent requests"
+                    f"{retention.num_owners} live request attempts "
+                    f"({retention.num_holds} retained objects); raise the "
+                    "artifact capacity or lower the number of concurrent requests"
                 )
 
     def _evict(self, aid: int) -> bool:
@@ -566,7 +412,7 @@ class ShmStoreWriter(ObjectStoreWriter):
     def _unlink_arena(self, aid: int) -> None:
         self._arenas.pop(aid).close()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(arena_name(aid), dir_fd=self._ns_fd)
+            os.unlink(arena_name(aid), dir_fd=self._files.ns_fd)
 
     # ------------------------------------------------------------ log
     def _compact_log_if_worthwhile(self, *, under_pressure: bool = False) -> bool:
@@ -582,32 +428,16 @@ class ShmStoreWriter(ObjectStoreWriter):
             threshold = _COMPACT_RATIO * snap_bytes + min(
                 _COMPACT_MIN_BYTES, self._capacity // 32
             )
-        if self._log_size < threshold:
+        files = self._files
+        if files.log_size < threshold:
             return False
         if self._used() + snap_bytes > self._capacity:
             return False
         tmp = f"{self._next_id:016x}.tmp"
         self._next_id += 1
-        fd = open_private_file(
-            tmp,
-            self._ns_fd,
-            os.O_RDWR | os.O_CREAT | os.O_EXCL,
-            "index snapshot",
-            error=UnsafeStoreError,
-        )
-        try:
-            data = [log.header_bytes(), log.encode_batch(self._index.snapshot())]
-            size = write_all(fd, data, 0)
-            os.rename(tmp, INDEX_FILE, src_dir_fd=self._ns_fd, dst_dir_fd=self._ns_fd)
-        except OSError as e:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self._ns_fd)
-            logger.warning("artifact store: log compaction failed: %s", e)
+        data = [log.header_bytes(), log.encode_batch(self._index.snapshot())]
+        if not files.replace_log(tmp, data):
             return False
-        os.close(self._log_fd)
-        self._log_fd = fd
-        self._log_size = size
         self._counts["log_compactions"] += 1
         return True
 
@@ -615,29 +445,11 @@ class ShmStoreWriter(ObjectStoreWriter):
     def retain(self, owner: str, keys: Iterable[str]) -> None:
         with self._lock:
             self._check_open()
-            self._retain(owner, keys)
-
-    def _retain(self, owner: str, keys: Iterable[str]) -> None:
-        held = self._owners.setdefault(owner, set())
-        counts = self._retain_count
-        for key in keys:
-            if key not in held:
-                held.add(key)
-                counts[key] = counts.get(key, 0) + 1
+            self._retention.retain(owner, keys)
 
     def release(self, owner: str) -> int:
         with self._lock:
-            held = self._owners.pop(owner, None)
-            if not held:
-                return 0
-            counts = self._retain_count
-            for key in held:
-                n = counts[key] - 1
-                if n:
-                    counts[key] = n
-                else:
-                    del counts[key]
-            return len(held)
+            return self._retention.release(owner)
 
     def lookup(self, keys: Sequence[str]) -> list[ObjectRef | None]:
         with self._lock:
@@ -661,7 +473,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         with self._lock:
             self._check_open()
             self._check_store()
-            if self._broken is None:
+            if self._repair.broken is None:
                 self._compact_log_if_worthwhile()
                 if self._spare is None:
                     try:
@@ -674,89 +486,32 @@ class ShmStoreWriter(ObjectStoreWriter):
 
     # ------------------------------------------------------------ damage
     def _check_store(self) -> None:
-        """Notice (at most every ``STORE_CHECK_INTERVAL_S``) files removed or
-        replaced behind the writer, by an operator's ``rm`` or a clean-up of
-        ``/dev/shm``, and recover: a deleted arena is retired (its retained
-        objects copied out of the writer's own mapping first); a removed or
-        replaced directory, index log or writer record means the store is
-        recreated, empty, at the same place. Readers follow (they reopen the
-        namespace); routes it held are lost, so requests that needed them
-        fail with a typed error, and later requests are served again."""
-        now = time.monotonic()
-        if now - self._last_check < STORE_CHECK_INTERVAL_S:
+        """See ``repair``: recreate a store removed or replaced behind the
+        writer, retire arenas deleted behind it."""
+        repair = self._repair
+        if not repair.due():
             return
-        self._last_check = now
-        if self._broken is not None or not self._files_in_place():
+        if repair.broken is not None or not files_in_place(self._files):
             self._recreate()
         else:
             self._retire_lost_arenas()
 
-    def _files_in_place(self) -> bool:
-        try:
-            ns = os.fstat(self._ns_fd)
-            if any(
-                os.fstat(fd).st_nlink == 0 for fd in (self._log_fd, self._writer_fd)
-            ):
-                return False
-            root = os.fstat(self._root_fd)
-            root_now = os.stat(self._root, follow_symlinks=False)
-            ns_now = os.stat(
-                self._namespace, dir_fd=self._root_fd, follow_symlinks=False
-            )
-        except OSError:
-            return False
-        return (
-            ns.st_nlink > 0
-            and (root_now.st_dev, root_now.st_ino) == (root.st_dev, root.st_ino)
-            and (ns_now.st_dev, ns_now.st_ino) == (ns.st_dev, ns.st_ino)
-        )
-
     def _recreate(self) -> None:
-        if self._broken is None:
-            logger.error(
-                "artifact store %s under %s was removed or replaced behind the "
-                "engine; recreating it empty (the routes it held are lost: "
-                "requests that need them fail with a typed error)",
-                self._namespace,
-                self._root,
-            )
+        repair, files = self._repair, self._files
+        repair.recreating(files)
         self._release_files(rmdir_root=False)
         self._index = Index()
-        self._log_size = self._record_bytes = 0
         try:
-            self._create_store()
+            self._counts["stores_collected"] += files.create(self._ttl)
         except (ArtifactError, OSError) as e:
-            now = time.monotonic()
-            if (
-                self._broken is None
-                or now - self._last_broken_log >= BROKEN_LOG_INTERVAL_S
-            ):
-                logger.error(
-                    "artifact store %s cannot be recreated under %s: %s; "
-                    "publication fails until it can",
-                    self._namespace,
-                    self._root,
-                    e,
-                )
-                self._last_broken_log = now
-            self._broken = str(e)
+            repair.failed(files, e)
             return
-        if self._broken is not None:
-            logger.warning("artifact store %s recreated", self._namespace)
-        self._broken = None
+        repair.recreated(files)
         self._counts["stores_recreated"] += 1
         self._last_heartbeat = time.monotonic()
 
     def _retire_lost_arenas(self) -> None:
-        lost = []
-        for aid in self._arenas:
-            try:
-                os.stat(arena_name(aid), dir_fd=self._ns_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                lost.append(aid)
-            except OSError:
-                continue
-        for aid in lost:
+        for aid in lost_arenas(self._files, list(self._arenas)):
             arena = self._arenas.get(aid)
             if arena is None:  # evicted to make room meanwhile
                 continue
@@ -791,8 +546,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         collectors that cannot check this process's liveness)."""
         now = time.monotonic()
         if now - self._last_heartbeat >= HEARTBEAT_INTERVAL_S:
-            with contextlib.suppress(OSError):
-                os.utime(self._writer_fd)
+            self._files.touch()
             self._last_heartbeat = now
 
     def _collect(self, *, force: bool = False) -> None:
@@ -802,7 +556,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._last_collect = now
         try:
             report = collect_stale_stores(
-                self._root, self._ttl, exclude=(self._namespace,)
+                self._files.root, self._ttl, exclude=(self._namespace,)
             )
         except OSError as e:  # a neighbour's trouble never fails this store
             logger.warning("artifact store: collecting stale stores failed: %s", e)
@@ -818,42 +572,27 @@ class ShmStoreWriter(ObjectStoreWriter):
                 keys=len(idx.current) + sum(k not in idx.current for k in idx.older),
                 used_bytes=self._used() if not self._closed else 0,
                 capacity_bytes=self._capacity,
-                retained_keys=len(self._retain_count),
-                retainers=len(self._owners),
+                retained_keys=self._retention.num_keys,
+                retainers=self._retention.num_owners,
                 **self._counts,
             )
 
     def close(self) -> None:
         """Unmap, close and remove this store's files."""
         with self._lock:
-            if self._closed and self._root_fd < 0:
+            if self._closed and self._files.root_fd < 0:
                 return
             self._closed = True
             self._release_files(rmdir_root=True)
 
     def _release_files(self, *, rmdir_root: bool = True) -> None:
-        """Unmap the arenas, close every descriptor and delete this store's
-        files; ``rmdir_root`` also removes the root when no other store is
-        in it."""
+        """Unmap the arenas, then close and delete the store's files
+        (``StoreFiles.release``)."""
         for arena in self._arenas.values():
             arena.close()
         self._arenas.clear()
         self._active = self._spare = None
-        for fd in (self._log_fd, self._writer_fd, self._ns_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._log_fd = self._writer_fd = self._ns_fd = -1
-        if self._root_fd >= 0:
-            remove_namespace(self._root_fd, self._namespace)
-            os.close(self._root_fd)
-            self._root_fd = -1
-            # Leave nothing behind on a clean shutdown: the root goes too
-            # when no other store is in it (a writer starting meanwhile
-            # recreates it).
-            if rmdir_root:
-                with contextlib.suppress(OSError):
-                    os.rmdir(self._root)
+        self._files.release(rmdir_root=rmdir_root)
 
 
 _STATUS_COUNTER = {
