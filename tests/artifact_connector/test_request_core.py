@@ -278,6 +278,27 @@ def test_a_fault_in_one_request_of_a_batch_costs_that_request_alone(store):
         np.testing.assert_array_equal(got[i], reqs[i][0])
 
 
+def test_read_batch_in_runs_equals_one_pass_and_a_late_fault_returns_no_rows(store):
+    """``pause_every`` (the route reader's runs of objects): the same rows;
+    a corrupted object in a late run is that request's typed error, never
+    the rows of the runs before it."""
+    w, r = store
+    reqs = _requests(w, 4, seed=7)
+    reads = [RowsRead(table(refs), len(t)) for t, refs in reqs]
+    for got, (truth, _) in zip(read_batch(r, SPEC, reads, pause_every=2), reqs):
+        np.testing.assert_array_equal(got, truth)
+    # The last object of the last request (the last run) changed behind
+    # the store.
+    end = 64 + sum(
+        x.num_rows * SPEC.row_nbytes + ENVELOPE_NBYTES for _, refs in reqs for x in refs
+    )
+    _flip_byte(w, end - ENVELOPE_NBYTES - 1)
+    got = read_batch(r, SPEC, reads, pause_every=2)
+    assert isinstance(got[3], ChecksumMismatchError), got[3]
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], reqs[i][0])
+
+
 class _HeldReader:
     """A real store reader whose reads wait for ``release`` (a held thread,
     to show what the engine side does while a read is under way)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -265,12 +266,16 @@ def read_batch(
     reads: Sequence[RowsRead],
     *,
     out: np.ndarray | None = None,
+    pause_every: int | None = None,
 ) -> list[np.ndarray | ArtifactError]:
     """The one read path: every request's rows, read together (one index
     lookup, one envelope check and one copy pass over all their objects).
     Objects that end at or before a read's ``first_row`` are not read.
     Every object is checked (checksum, then envelope: schema, dtype, shape,
-    token range, key) before anything is copied. Result ``i`` is read
+    token range, key) before anything is copied. With ``pause_every``
+    (and no ``out``), the objects are read in runs of that many, letting
+    other threads have the interpreter between runs; a run that fails then
+    leaves earlier runs' rows in a buffer that is never returned. Result ``i`` is read
     ``i``'s rows (views of one buffer: ``out`` if given, which must hold
     them back to back) or the typed error that stops it; a fault in one
     request's objects costs that request alone. Never partial rows."""
@@ -340,23 +345,40 @@ def read_batch(
         keys = [all_keys[i] for i in sel.tolist()]
         checksums = _concat([r.refs.checksums for r in reads], np.uint64)[sel]
         n = sel.shape[0]
+        run = n if pause_every is None or out is not None else max(1, pause_every)
 
-        def check(trailers: np.ndarray, lengths: np.ndarray) -> None:
-            bad = lengths != nr * rb + ENVELOPE_NBYTES
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise EnvelopeError(
-                    f"object {keys[i]} has {int(lengths[i])} bytes; {int(nr[i])} "
-                    f"rows of [{spec.num_layers}, {spec.top_k}] {spec.dtype} take "
-                    f"{int(nr[i]) * rb + ENVELOPE_NBYTES}"
+        def check_run(lo: int, hi: int):
+            def check(trailers: np.ndarray, lengths: np.ndarray) -> None:
+                nr_run = nr[lo:hi]
+                bad = lengths != nr_run * rb + ENVELOPE_NBYTES
+                if bad.any():
+                    i = int(np.argmax(bad))
+                    raise EnvelopeError(
+                        f"object {keys[lo + i]} has {int(lengths[i])} bytes; "
+                        f"{int(nr_run[i])} rows of [{spec.num_layers}, "
+                        f"{spec.top_k}] {spec.dtype} take "
+                        f"{int(nr_run[i]) * rb + ENVELOPE_NBYTES}"
+                    )
+                env = np.ascontiguousarray(trailers).view(ENVELOPE_DTYPE)
+                _check_envelopes(
+                    env.reshape(hi - lo), spec, s[lo:hi], nr_run, keys[lo:hi]
                 )
-            env = np.ascontiguousarray(trailers).view(ENVELOPE_DTYPE).reshape(n)
-            _check_envelopes(env, spec, s, nr, keys)
+
+            return check
 
         try:
-            reader.read_into(
-                keys, checksums, buf, spans, trailer_nbytes=ENVELOPE_NBYTES, check=check
-            )
+            for lo in range(0, n, run):
+                hi = min(n, lo + run)
+                if lo:
+                    time.sleep(0)  # the interpreter to whoever waits for it
+                reader.read_into(
+                    keys[lo:hi],
+                    checksums[lo:hi],
+                    buf,
+                    spans[lo:hi],
+                    trailer_nbytes=ENVELOPE_NBYTES,
+                    check=check_run(lo, hi),
+                )
         except ArtifactError as e:
             if n_reads == 1 or int(ok.sum()) == 1:
                 for i in np.flatnonzero(ok).tolist():

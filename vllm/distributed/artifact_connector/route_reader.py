@@ -8,8 +8,9 @@ finished arrays back at a later step (:meth:`take_done`); the engine
 thread never waits on a read while it has work. The reader thread owns its
 store reader and reads whatever is queued together (:func:`read_batch`:
 one index lookup, envelope check and copy pass for all of them), in
-batches of about :data:`BATCH_OBJECTS` objects, yielding the interpreter
-between batches so that the engine thread never waits long for it.
+batches of about :data:`BATCH_OBJECTS` objects (a longer request is read in
+runs of that many), yielding the interpreter between batches and runs so
+that the engine thread never waits long for it.
 """
 
 from __future__ import annotations
@@ -138,7 +139,12 @@ class RouteReader:
     def _read(self, batch: list[RouteRead]) -> list[RouteResult]:
         start = time.perf_counter()
         try:
-            got: list = read_batch(self._reader, self._spec, [r.read for r in batch])
+            got: list = read_batch(
+                self._reader,
+                self._spec,
+                [r.read for r in batch],
+                pause_every=BATCH_OBJECTS,
+            )
         except Exception as e:  # a bug, not a store fault: fail loudly, per read
             logger.exception("reading routes failed")
             got = [ArtifactError(f"reading routes failed: {e!r}")] * len(batch)
