@@ -16,6 +16,7 @@ import torch
 from vllm.distributed.host_transport import SCOPE_ENV, HostTransportConnector
 from vllm.distributed.host_transport import connector as connmod
 from vllm.distributed.host_transport import ring as ringmod
+from vllm.distributed.host_transport import sender as sendmod
 
 from . import helpers
 from .conftest import TINY_RING, scope_path
@@ -29,7 +30,7 @@ def test_fences_order_publication_claim_and_reuse(make_conn, monkeypatch):
     prod, recv = make_conn(TINY_RING), make_conn(TINY_RING)
     prod.put("p", "c", "warm", 0)
     assert recv.get("p", "c", "warm")[0] == 0
-    ring = prod._send_edges[("p", "c")].ring
+    ring = prod._sender._edges[("p", "c")].ring
     pos = ring.head
     slot = ringmod.HEADER_SIZE + pos % ring.capacity + ringmod.STATE_OFF
     events: list[tuple[int, int, int]] = []
@@ -155,9 +156,7 @@ def test_superseded_frame_is_dropped_not_spilled(make_conn, monkeypatch):
     moved to a segment, when the ring needs its space."""
     # The deferred retire is not retried (as if the lock were still busy
     # then), so the spill meets the superseded frame first.
-    monkeypatch.setattr(
-        connmod.HostTransportConnector, "_retry_pending", lambda self, edge: None
-    )
+    monkeypatch.setattr(sendmod.Sender, "_retry_pending", lambda self, edge: None)
     prod = make_conn(TINY_RING, ring_wait_s=0.0, ring_spill_age_s=0.0)
     recv = make_conn(TINY_RING)
     _, _, desc = prod.put("p", "c", "k", "old")

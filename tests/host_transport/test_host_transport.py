@@ -332,10 +332,10 @@ def test_new_producer_found_after_miss_with_frozen_clock(make_conn, monkeypatch)
     monkeypatch.setattr(discovery.time, "time_ns", lambda: 1_000)
     c = make_conn(TINY_RING)
     assert c.get("p", "c", "k") is None
-    stamp = c._scope.read_stamp()
+    stamp = c._shared.scope.read_stamp()
     prod = make_conn(TINY_RING)
     prod.put("p", "c", "k", "hello")
-    assert c._scope.read_stamp() > stamp
+    assert c._shared.scope.read_stamp() > stamp
     assert c.get("p", "c", "k")[0] == "hello"
 
 
@@ -366,7 +366,7 @@ def test_discovery_attaches_every_producer(scope, make_conn):
             assert d.wait(30)
         c = make_conn(0)
         for i in range(n):
-            assert c.get("p", "c", f"k{i}") == (i, c._recv_codec.last_size)
+            assert c.get("p", "c", f"k{i}") == (i, c._receiver._codec.last_size)
         assert c.health()["rings_mapped"] == n
     finally:
         exit_ev.set()
@@ -558,7 +558,7 @@ def test_corrupt_frame_is_none_plus_counter(make_conn, ring_bytes):
     prod, c = make_conn(ring_bytes), make_conn(TINY_RING)
     _, _, desc = prod.put("p", "c", "k", {"t": torch.ones(4)})
     if desc["plane"] == "ring":
-        view = prod._send_edges[("p", "c")].ring
+        view = prod._sender._edges[("p", "c")].ring
         mv = view._mv
         off = ringmod.HEADER_SIZE + desc["pos"] + ringmod.FRAME_HDR
         mv[off : off + 4] = b"XXXX"  # frame magic
@@ -584,7 +584,7 @@ def test_corrupt_tensor_dict_header_is_none_plus_counter(make_conn, field, value
     prod, c = make_conn(TINY_RING), make_conn(TINY_RING)
     _, _, desc = prod.put("p", "c", "k", {"t": torch.ones(4)})
     assert desc["plane"] == "ring"
-    mv = prod._send_edges[("p", "c")].ring._mv
+    mv = prod._sender._edges[("p", "c")].ring._mv
     base = ringmod.HEADER_SIZE + desc["pos"] + ringmod.FRAME_HDR
     prefix = codecmod.PREFIX.unpack_from(mv, base)
     assert prefix[1] == codecmod.KIND_TDICT
@@ -614,7 +614,7 @@ def test_corrupt_tensor_dict_header_is_none_plus_counter(make_conn, field, value
 def test_receive_thread_not_blocked_by_same_process_sender(make_conn):
     c = make_conn(TINY_RING)
     c.put("p", "c", "k", "v")
-    c._send_lock.acquire()  # a sender stuck (e.g. waiting on a ring lock)
+    c._sender._lock.acquire()  # a sender stuck (e.g. waiting on a ring lock)
     try:
         res: queue.Queue = queue.Queue()
         t = threading.Thread(
@@ -626,7 +626,7 @@ def test_receive_thread_not_blocked_by_same_process_sender(make_conn):
         r = res.get(timeout=30)
         t.join()
     finally:
-        c._send_lock.release()
+        c._sender._lock.release()
     assert r is not None and r[0] == "v"
 
 

@@ -1,0 +1,436 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The sending side of a host-transport connector: publishing a payload
+under (edge, key) on the edge's host ring or in a per-key segment,
+withdrawing earlier unclaimed versions, spilling aged ring frames to
+segments when the ring is full. State is guarded by its own process-local
+lock, so a thread receiving is never queued behind a sending one."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.host_transport import perkey
+from vllm.distributed.host_transport import ring as ringmod
+from vllm.distributed.host_transport import shared as _pid
+from vllm.distributed.host_transport.codec import (
+    EncodedFrame,
+    FrameCodec,
+    PayloadTooLarge,
+    RawFrame,
+)
+from vllm.distributed.host_transport.discovery import HostTransportError, ScopeDir
+from vllm.distributed.host_transport.shared import Shared
+from vllm.distributed.host_transport.shared import edge_hex as _edge_hex
+from vllm.distributed.host_transport.shared import key_hash as _key_hash
+from vllm.distributed.host_transport.shared import seg_name as _seg_name
+
+logger = logging.getLogger(__name__)
+
+_MAX_TRACKED_KEYS = 1 << 16
+_BUSY = object()  # a retire found its lock busy
+# A frame of ``size`` bytes takes (size + _FRAME_ROUND) & _FRAME_MASK ring
+# bytes (record header included, 64-byte aligned).
+_FRAME_ROUND = ringmod.FRAME_HDR + ringmod.FRAME_ALIGN - 1
+_FRAME_MASK = ~(ringmod.FRAME_ALIGN - 1)
+_DESC_VERSION = 1
+
+
+@dataclass
+class _SendEdge:
+    edge_hex: str
+    ring: ringmod.ProducerRing | None = None
+    ring_failed: bool = False
+    # Earlier versions on the ring whose retire found the ring lock busy:
+    # superseded (receivers skip them) but still holding ring space; retried
+    # on later puts of the edge.
+    pending: list[_Placement] = field(default_factory=list)
+
+
+@dataclass
+class _Placement:
+    """Where this process published an unclaimed version of a key."""
+
+    edge: tuple[Any, Any]
+    key_hash: bytes
+    seg_name: str  # empty for ring placements
+    ring_pos: int | None  # None: per-key segment
+
+
+class Sender:
+    """See the module docs."""
+
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
+        config = self._config = shared.config
+        self._stats = shared.stats
+        self._lock = threading.Lock()
+        self._edges: dict[tuple[Any, Any], _SendEdge] = {}
+        # Insertion-ordered: the oldest tracked key is evicted first.
+        self._placements: dict[str, list[_Placement]] = {}
+        self._logged_edges: set[str] = set()
+        # Tells this connector's rings apart from other connectors' of the
+        # same process (the ring name is its registration).
+        self._instance = int.from_bytes(os.urandom(8), "little")
+        self._codec = FrameCodec(config.max_payload_bytes, config.large_leaf_bytes)
+        self._ring_enabled = config.ring_enabled and ringmod.FENCE_AVAILABLE
+        self._ring_wait_s = config.ring_wait_s
+        self._spill_age_s = config.ring_spill_age_s
+        self._max_payload = config.max_payload_bytes
+
+    def put(
+        self, from_stage: Any, to_stage: Any, key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Publish ``data`` under ``key`` on edge ``from_stage -> to_stage``.
+
+        Returns ``(ok, size, descriptor)``; failures are ``(False, 0, None)``.
+        The payload is fully copied when this returns.
+        """
+        try:
+            with self._lock:
+                return self._put_locked(from_stage, to_stage, key, data)
+        except PayloadTooLarge as e:
+            logger.warning("host transport: put %r rejected: %s", key, e)
+        except Exception:
+            logger.exception("host transport: put %r failed", key)
+        self._stats["put_failures"] += 1
+        return False, 0, None
+
+    def _put_locked(
+        self, from_stage: Any, to_stage: Any, key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        shared = self._shared
+        scope = shared.scope
+        if shared.closed or scope is None or shared.owner_pid != _pid.this_pid:
+            scope = shared.check_open()  # raises
+        if type(key) is not str and not isinstance(key, str):
+            raise TypeError("key must be a str")
+        edge_key = (from_stage, to_stage)
+        edge = self._edges.get(edge_key)
+        if edge is None:
+            edge = _SendEdge(_edge_hex(from_stage, to_stage))
+            self._edges[edge_key] = edge
+        codec = self._codec
+        before = codec.serial_fallbacks
+        frame = codec.encode(data)
+        stats = self._stats
+        if codec.serial_fallbacks != before:
+            stats["serializer_fallbacks"] += 1
+        size = frame.total
+        if size > self._max_payload:
+            raise PayloadTooLarge(f"payload of {size} bytes is too large")
+        kh = _key_hash(key)
+        if edge.pending:
+            self._retry_pending(edge)
+        placements = self._placements
+        previous = placements.pop(key, None)
+        # Withdraw the earlier unclaimed versions on this edge before the new
+        # one is visible. A ring frame whose retire finds the ring lock busy
+        # stays READY: the new version must then be a later record of the same
+        # ring (a receiver takes a key's latest record), or a tombstone there
+        # must supersede it. A busy segment lock means a receiver is taking
+        # that segment now; the new version then replaces it in place.
+        stuck_ring = stuck_segment = False
+        rest: list[_Placement] = []
+        if previous:
+            for p in previous:
+                if p.edge != edge_key:
+                    rest.append(p)
+                elif self._retire(scope, p) is _BUSY:
+                    if p.ring_pos is None:
+                        stuck_segment = True
+                    else:
+                        stuck_ring = True
+                        edge.pending.append(p)
+                        stats["retire_deferred"] += 1
+
+        pos: int | None = None
+        ring: ringmod.ProducerRing | None = None
+        if self._ring_enabled and not stuck_segment:
+            ring = edge.ring
+            if ring is None:
+                ring = self._ensure_ring(scope, edge)
+            if ring is None:
+                stats["fallbacks"] += 1
+                stats["fallback_ring_unavailable"] += 1
+            elif (size + _FRAME_ROUND) & _FRAME_MASK > ring.capacity >> 2:
+                stats["fallbacks"] += 1
+                stats["fallback_too_large"] += 1
+            else:
+                pos = ring.try_put(kh, frame, key)
+                if pos is None:
+                    pos = self._make_room(scope, edge, ring, kh, frame, key)
+                if pos is None:
+                    stats["fallbacks"] += 1
+                    stats["fallback_ring_full"] += 1
+        if pos is None and stuck_ring:
+            assert edge.ring is not None  # a stuck frame lives on this ring
+            if not edge.ring.tombstone(kh):
+                placements[key] = previous or []
+                raise HostTransportError(
+                    "the earlier version could not be withdrawn (ring lock busy, "
+                    "ring full); the new one was not published"
+                )
+            stats["tombstones"] += 1
+
+        seg_name = ""
+        if pos is not None:
+            stats["ring_puts"] += 1
+            desc = {
+                "v": _DESC_VERSION,
+                "plane": "ring",
+                "ring": ring.name if ring is not None else "",
+                "pos": pos,
+                "size": size,
+            }
+        else:
+            seg_name = _seg_name(edge.edge_hex, key)
+            self._write_segment(scope, seg_name, kh, frame)
+            stats["perkey_puts"] += 1
+            desc = {"v": _DESC_VERSION, "plane": "key", "size": size}
+        rest.append(_Placement(edge_key, kh, seg_name, pos))
+        placements[key] = rest
+        if len(placements) > _MAX_TRACKED_KEYS:
+            del placements[next(iter(placements))]
+        return True, size, desc
+
+    def _write_segment(
+        self,
+        scope: ScopeDir,
+        seg_name: str,
+        kh: bytes,
+        frame: EncodedFrame | RawFrame,
+    ) -> None:
+        ok = perkey.write_segment(
+            scope.fd, seg_name, kh, frame, self._shared.pid, self._shared.start
+        )
+        if not ok:
+            raise HostTransportError("segment lock stayed busy")
+        scope.bump_pk_token()
+
+    def _make_room(
+        self,
+        scope: ScopeDir,
+        edge: _SendEdge,
+        ring: ringmod.ProducerRing,
+        kh: bytes,
+        frame: EncodedFrame,
+        key: str,
+    ) -> int | None:
+        """The ring is full: move frames older than ``ring_spill_age_s`` to
+        per-key segments, then wait up to ``ring_wait_s`` for receivers to
+        free space, and put ``frame``. ``None``: still full."""
+        if self._spill_aged(scope, edge, ring):
+            pos = ring.try_put(kh, frame, key)
+            if pos is not None:
+                return pos
+        wait = self._ring_wait_s
+        if wait <= 0 or ring.tail == ring.wait_failed_tail:
+            return None
+        self._stats["ring_waits"] += 1
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            os.sched_yield()
+            ring.reclaim()
+            pos = ring.try_put(kh, frame, key)
+            if pos is not None:
+                return pos
+        ring.wait_failed_tail = ring.tail
+        self._stats["ring_wait_timeouts"] += 1
+        return None
+
+    def _spill_aged(
+        self, scope: ScopeDir, edge: _SendEdge, ring: ringmod.ProducerRing
+    ) -> bool:
+        """Move unclaimed frames older than ``ring_spill_age_s``, oldest
+        first, from the (full) ring to per-key segments, where they stay
+        deliverable. Returns whether any moved."""
+        now = time.monotonic()
+        moved = False
+        while ring.frames and now - ring.frames[0][2] >= self._spill_age_s:
+            taken = ring.take_oldest(wait_s=0.0)
+            if taken is None:
+                break  # claimed meanwhile (reclaim will free it) or lock busy
+            pos, key, kh, raw = taken
+            superseded = [p for p in edge.pending if p.ring_pos == pos]
+            if superseded:
+                # A later version exists: withdrawn for good, not moved.
+                edge.pending.remove(superseded[0])
+                self._stats["retired"] += 1
+            else:
+                seg_name = _seg_name(edge.edge_hex, key)
+                self._write_segment(scope, seg_name, kh, raw)
+                for p in self._placements.get(key, ()):
+                    if p.ring_pos == pos and self._edges.get(p.edge) is edge:
+                        p.ring_pos = None
+                        p.seg_name = seg_name
+                self._stats["ring_spilled"] += 1
+            ring.reclaim()
+            moved = True
+        return moved
+
+    def _retry_pending(self, edge: _SendEdge) -> None:
+        if edge.ring is None:
+            edge.pending.clear()
+            return
+        still = []
+        for p in edge.pending:
+            assert p.ring_pos is not None
+            res = edge.ring.retire(p.ring_pos, p.key_hash, wait_s=0.0)
+            if res == ringmod.LOCK_BUSY:
+                still.append(p)
+            elif res == ringmod.RETIRED_NOW:
+                self._stats["retired"] += 1
+        if len(still) != len(edge.pending):
+            edge.ring.reclaim()
+        edge.pending = still
+
+    def _ensure_ring(
+        self, scope: ScopeDir, edge: _SendEdge
+    ) -> ringmod.ProducerRing | None:
+        if edge.ring is not None:
+            return edge.ring
+        if edge.ring_failed:
+            return None
+        try:
+            ring = ringmod.ProducerRing(
+                scope.fd,
+                edge.edge_hex,
+                self._config.host_ring_bytes,
+                self._shared.pid,
+                self._shared.start,
+                self._instance,
+            )
+        except OSError as e:
+            self._ring_setup_failed(edge, f"ring setup failed: {e}")
+            return None
+        try:
+            scope.advance_stamp()
+        except Exception as e:
+            ring.close(unlink=True)
+            self._ring_setup_failed(edge, f"stamp update failed: {e!r}")
+            return None
+        edge.ring = ring
+        return ring
+
+    def _ring_setup_failed(self, edge: _SendEdge, why: str) -> None:
+        edge.ring_failed = True
+        if edge.edge_hex not in self._logged_edges:
+            self._logged_edges.add(edge.edge_hex)
+            logger.warning(
+                "host transport: %s; edge %s uses per-key segments",
+                why,
+                edge.edge_hex,
+            )
+
+    def _retire(self, scope: ScopeDir, p: _Placement) -> Any:
+        """Withdraw one earlier placement: True if it was still unclaimed,
+        False if not, ``_BUSY`` if its lock stayed busy (it may still be
+        there)."""
+        if p.ring_pos is not None:
+            edge = self._edges.get(p.edge)
+            if edge is None or edge.ring is None:
+                return False
+            res = edge.ring.retire(p.ring_pos, p.key_hash)
+            if res == ringmod.LOCK_BUSY:
+                return _BUSY
+            if res == ringmod.RETIRED_NOW:
+                self._stats["retired"] += 1
+                edge.ring.reclaim()
+                return True
+            return False
+        res = perkey.remove_segment(scope.fd, p.seg_name)
+        if res is perkey.BUSY:
+            return _BUSY
+        if res:
+            self._stats["retired"] += 1
+        return bool(res)
+
+    # -------------------------------------------------------------- cleanup
+    def cleanup(self, key: str) -> bool:
+        """Retire this process's unclaimed payload for ``key`` (any edge)."""
+        with self._lock:
+            scope = self._shared.scope
+            if scope is None or os.getpid() != self._shared.owner_pid:
+                return False
+            placements = self._placements.pop(key, None)
+            if not placements:
+                return False
+            found = False
+            for p in placements:
+                res = self._retire(scope, p)
+                if res is _BUSY:
+                    found = self._supersede_busy(p) or found
+                else:
+                    found = res or found
+            return found
+
+    def _supersede_busy(self, p: _Placement) -> bool:
+        """A placement whose lock stayed busy: a ring frame gets a tombstone
+        (receivers skip it) and a deferred retire; a segment is being taken by
+        a receiver right now."""
+        if p.ring_pos is None:
+            return False
+        edge = self._edges.get(p.edge)
+        if edge is None or edge.ring is None:
+            return False
+        edge.pending.append(p)
+        self._stats["retire_deferred"] += 1
+        if edge.ring.tombstone(p.key_hash):
+            self._stats["tombstones"] += 1
+            return True
+        return False
+
+    def cleanup_prefix(self, prefix: str) -> int:
+        """Retire every unclaimed key ``prefix + <digits>``; returns how many."""
+        pattern = re.compile(re.escape(prefix) + r"[0-9]+")
+        with self._lock:
+            keys = [k for k in self._placements if pattern.fullmatch(k)]
+        return sum(1 for k in keys if self.cleanup(k))
+
+    # ------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Unlink this side's rings (the owner process)."""
+        with self._lock:
+            had_ring = False
+            for edge in self._edges.values():
+                if edge.ring is not None:
+                    edge.ring.close(unlink=True)
+                    edge.ring = None
+                    had_ring = True
+            self._edges.clear()
+            scope = self._shared.scope
+            if had_ring and scope is not None:
+                with contextlib.suppress(Exception):
+                    scope.advance_stamp()
+
+    def drop_mappings(self) -> None:
+        """A forked child's copies only: nothing shared is touched, and the
+        lock is not taken (a parent thread may have held it at the fork)."""
+        for edge in self._edges.values():
+            if edge.ring is not None:
+                edge.ring.close(unlink=False, mark_closed=False)
+                edge.ring = None
+        self._edges = {}
+
+    def health(self, out: dict[str, Any]) -> None:
+        out["rings_owned"] = sum(1 for e in self._edges.values() if e.ring is not None)
+        with self._lock:
+            rings = [e.ring for e in self._edges.values() if e.ring is not None]
+            now = time.monotonic()
+            if self._shared.owner_pid == _pid.this_pid:
+                for ring in rings:
+                    ring.reclaim()
+            out["ring_bytes_in_use"] = sum(ring.used_bytes() for ring in rings)
+            # Age of the oldest frame no receiver has taken yet (0: none).
+            out["oldest_unclaimed_age_s"] = max(
+                (ring.oldest_age(now) for ring in rings), default=0.0
+            )
+            out["pending_retires"] = sum(len(e.pending) for e in self._edges.values())
