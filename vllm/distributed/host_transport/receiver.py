@@ -96,8 +96,7 @@ class Receiver:
         key: str,
         descriptor: dict[str, Any] | None = None,
     ) -> tuple[Any, int] | None:
-        """Take the payload for ``key``: ``(obj, size)`` or ``None`` when it is
-        not there (yet) or gone. Never waits on another process's lock."""
+        """See :meth:`HostTransportConnector.get`."""
         with self._lock:
             r = self._get_locked(from_stage, to_stage, key, descriptor)
         return None if r is ringmod.BUSY else r
@@ -111,10 +110,7 @@ class Receiver:
         deadline: float | None = None,
         poll_interval_s: float = 0.0002,
     ) -> tuple[Any, int] | None:
-        """Poll for ``key`` until ``deadline`` (``time.monotonic()`` seconds).
-
-        Locks held by other processes are only ever tried, never waited on,
-        so this returns ``None`` once the deadline has passed."""
+        """See :meth:`HostTransportConnector.get_with_deadline`."""
         while True:
             with self._lock:
                 r = self._get_locked(from_stage, to_stage, key, descriptor)

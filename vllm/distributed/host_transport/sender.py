@@ -88,11 +88,7 @@ class Sender:
     def put(
         self, from_stage: Any, to_stage: Any, key: str, data: Any
     ) -> tuple[bool, int, dict[str, Any] | None]:
-        """Publish ``data`` under ``key`` on edge ``from_stage -> to_stage``.
-
-        Returns ``(ok, size, descriptor)``; failures are ``(False, 0, None)``.
-        The payload is fully copied when this returns.
-        """
+        """See :meth:`HostTransportConnector.put`."""
         try:
             with self._lock:
                 return self._put_locked(from_stage, to_stage, key, data)
@@ -355,7 +351,7 @@ class Sender:
 
     # -------------------------------------------------------------- cleanup
     def cleanup(self, key: str) -> bool:
-        """Retire this process's unclaimed payload for ``key`` (any edge)."""
+        """See :meth:`HostTransportConnector.cleanup`."""
         with self._lock:
             scope = self._shared.scope
             if scope is None or os.getpid() != self._shared.owner_pid:
@@ -389,7 +385,7 @@ class Sender:
         return False
 
     def cleanup_prefix(self, prefix: str) -> int:
-        """Retire every unclaimed key ``prefix + <digits>``; returns how many."""
+        """See :meth:`HostTransportConnector.cleanup_prefix`."""
         pattern = re.compile(re.escape(prefix) + r"[0-9]+")
         with self._lock:
             keys = [k for k in self._placements if pattern.fullmatch(k)]
