@@ -352,6 +352,41 @@ def test_the_route_reader_never_makes_the_engine_thread_wait(store, shm_root):
         reads.close()
 
 
+class _DyingReader:
+    """A reader whose read kills the reader thread (an exception no read
+    path catches), after which reads must still be answered."""
+
+    def read_into(self, *args, **kwargs):
+        raise SystemExit("stand-in for a crash of the thread")
+
+    def close(self):
+        pass
+
+
+def test_reads_after_the_reader_thread_died_fail_at_once(store):
+    """No request waits forever for a reader thread that is gone: the read
+    in flight and every later one get an ArtifactError."""
+    w, _ = store
+    (t0, refs0), (t1, refs1) = _requests(w, 2, seed=5)
+    reads = RouteReader(_DyingReader(), SPEC)  # type: ignore[arg-type]
+    try:
+        reads.submit([RouteRead("a", 1, RowsRead(table(refs0), len(t0)), len(t0))])
+        done = []
+        deadline = time.monotonic() + 30
+        while not done and time.monotonic() < deadline:
+            reads.wait_done(0.1)
+            done += reads.take_done()
+        reads.submit([RouteRead("b", 1, RowsRead(table(refs1), len(t1)), len(t1))])
+        done += reads.take_done()
+        assert [r.req_id for r in done] == ["a", "b"]
+        for r in done:
+            assert r.rows is None
+            assert r.error.startswith("ArtifactError: the route reader thread died")
+        assert reads.pending == 0
+    finally:
+        reads.close()
+
+
 def test_the_route_reader_reports_a_store_fault_per_request(store, shm_root):
     w, _ = store
     (t0, refs0), (t1, refs1) = _requests(w, 2)

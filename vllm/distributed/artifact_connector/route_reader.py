@@ -66,6 +66,9 @@ class RouteReader:
         self._done: list[RouteResult] = []
         self._pending = 0  # submitted, not yet taken back
         self._stop = False
+        # Why the thread died, if it did: reads then fail at once instead of
+        # leaving their requests waiting.
+        self._dead: str | None = None
         self._thread = threading.Thread(
             target=self._run, name="artifact-route-reader", daemon=True
         )
@@ -78,8 +81,11 @@ class RouteReader:
         with self._cv:
             if self._stop:
                 raise RuntimeError("the route reader is closed")
-            self._queued.extend(reads)
             self._pending += len(reads)
+            if self._dead is not None:
+                self._done.extend(self._failed(reads, self._dead))
+                return
+            self._queued.extend(reads)
             self._cv.notify_all()
 
     def take_done(self) -> list[RouteResult]:
@@ -112,20 +118,35 @@ class RouteReader:
 
     # ------------------------------------------------------------ thread
     def _run(self) -> None:
-        while True:
+        batch: list[RouteRead] = []
+        try:
+            while True:
+                with self._cv:
+                    while not self._queued and not self._stop:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    batch = self._take_batch()
+                results = self._read(batch)
+                batch = []
+                with self._cv:
+                    self._done.extend(results)
+                    self._cv.notify_all()
+                # Let a waiting engine thread have the interpreter before the
+                # next batch.
+                time.sleep(0)
+        except BaseException as e:
+            logger.exception("the routed-experts reader thread died")
             with self._cv:
-                while not self._queued and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                batch = self._take_batch()
-            results = self._read(batch)
-            with self._cv:
-                self._done.extend(results)
+                self._dead = f"the route reader thread died: {e!r}"
+                self._done.extend(self._failed(batch + self._queued, self._dead))
+                self._queued = []
                 self._cv.notify_all()
-            # Let a waiting engine thread have the interpreter before the
-            # next batch.
-            time.sleep(0)
+
+    @staticmethod
+    def _failed(reads: list[RouteRead], why: str) -> list[RouteResult]:
+        error = f"ArtifactError: {why}"
+        return [RouteResult(r.req_id, r.attempt, None, error, 0.0) for r in reads]
 
     def _take_batch(self) -> list[RouteRead]:
         queued = self._queued
