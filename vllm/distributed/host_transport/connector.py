@@ -51,7 +51,6 @@ class HostTransportConnector:
     def __init__(self, config: HostTransportConfig | None = None) -> None:
         # Fields close() relies on come first, so close() is safe whatever
         # the constructor got to.
-        self._closed = False
         self._shared: Shared | None = None
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
@@ -96,9 +95,8 @@ class HostTransportConnector:
         a forked child it only drops the child's mappings."""
         shared = getattr(self, "_shared", None)
         if shared is None or shared.scope is None:
-            self._closed = True
             return
-        self._closed = shared.closed = True
+        shared.closed = True
         sender, receiver = self._sender, self._receiver
         teardown = os.getpid() == shared.owner_pid
         if not teardown:
@@ -192,7 +190,7 @@ class HostTransportConnector:
         """Counters and state (a snapshot)."""
         shared = self._shared
         out: dict[str, Any] = dict(shared.stats) if shared is not None else {}
-        out["closed"] = self._closed
+        out["closed"] = shared is None or shared.closed
         out["scope"] = getattr(self, "scope_name", None)
         out["host_ring_bytes"] = self.config.host_ring_bytes
         sender, receiver = self._sender, self._receiver

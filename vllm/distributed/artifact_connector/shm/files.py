@@ -58,10 +58,6 @@ class StoreFiles:
         self.root_fd = self.ns_fd = self.log_fd = self.writer_fd = -1
         self.log_size = self.record_bytes = 0
 
-    @property
-    def open(self) -> bool:
-        return self.ns_fd >= 0
-
     def create(self, ttl_s: float) -> int:
         """Create the directory and files (at start, and again after they
         were removed behind the writer). Returns how many stale stores of
