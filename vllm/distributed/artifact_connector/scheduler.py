@@ -524,11 +524,10 @@ class ArtifactSchedulerConnector:
 
     def _take_reads(self) -> None:
         reads = self._reads
-        if (
-            self._step_empty
-            and reads.pending
-            and not any(r.phase is Phase.FINISHING for r in self._records.values())
-        ):
+        # Records wait for an acknowledgement (FINISHING) or a read
+        # (READING, one pending read each): none waits for an ack when all
+        # finishing records are being read.
+        if self._step_empty and reads.pending and reads.pending == self._num_finishing:
             # Nothing to schedule and nothing but reads to wait for: wait
             # for one instead of spinning through empty steps on the
             # interpreter the reader needs (a new request waits 2 ms at most).
