@@ -94,7 +94,7 @@ def test_slab_exhaustion_is_typed_and_pages_come_back(monkeypatch):
     with pytest.raises(RowBufferCapacityError):
         write(a, 8, rows(1), "v")
     ((_, page, _, _), _) = a.take_blocks({0: b"a", 1: b"b"})
-    slab.free_later(page)  # as the publication thread does
+    slab.free_later([page])  # as the publication thread does
     write(a, 8, rows(1), "v")
     assert slab.num_free() == 0
 
@@ -145,7 +145,7 @@ def test_rows_round_trip_through_pages(block, cached_blocks, chunks, cut):
         for s, page, _, _ in a.take_blocks(hashes):
             for i in range(block):
                 published[s + i] = slab.pages[page, i].copy()
-            slab.free_later(page)
+            slab.free_later([page])
         assert a.end - a.committed < block
     end = max(a.committed, pos - min(cut, pos - a.committed))
     tail = a.take_tail(end)
@@ -153,7 +153,7 @@ def test_rows_round_trip_through_pages(block, cached_blocks, chunks, cut):
         s, page, n, _ = tail
         for i in range(n):
             published[s + i] = slab.pages[page, i].copy()
-        slab.free_later(page)
+        slab.free_later([page])
     assert sorted(published) == list(range(start, end))
     for r, value in published.items():
         np.testing.assert_array_equal(value, truth[r])

@@ -117,11 +117,15 @@ def _publish(writer, rows, block, version="v1", start=0):
     lengths = np.array(
         [len(p) * SPEC.row_nbytes + ENVELOPE_NBYTES for p in pieces], np.int64
     )
+    pages = np.zeros((len(pieces), block, *SPEC.row_shape), SPEC.dtype)
+    for i, p in enumerate(pieces):
+        pages[i, : len(p)] = p
+    nrows = [len(p) for p in pieces]
     res = writer.put_batch(
         keys,
         lengths,
         lambda buf: encode_objects(
-            SPEC, keys, starts, [p.data.cast("B") for p in pieces], buf
+            SPEC, keys, starts, nrows, pages, range(len(pieces)), buf
         ),
     )
     return [
@@ -412,30 +416,39 @@ def test_the_route_reader_reports_a_store_fault_per_request(store, shm_root):
 
 
 def test_encode_writes_a_self_describing_envelope():
-    rows = np.arange(2 * 6, dtype=np.int16).reshape(2, 3, 2)
-    key = KS.key("v1", b"h", 2, tail=True)
-    buf = np.zeros((2 * SPEC.row_nbytes + ENVELOPE_NBYTES), np.uint8)
-    (whole,) = encode_objects(
-        SPEC, [key], [30], [rows.data.cast("B")], buf, tails=[True]
+    """Full pages (one array copy) then a tail (object by object): payload,
+    envelope, and the store checksum over both."""
+    block = 4
+    pages = np.arange(3 * block * 6, dtype=np.int16).reshape(3, block, 3, 2)
+    keys = [
+        KS.key("v1", b"h%d" % i, n, tail=n < block) for i, n in enumerate((4, 4, 2))
+    ]
+    rb = SPEC.row_nbytes
+    sizes = [4 * rb + ENVELOPE_NBYTES] * 2 + [2 * rb + ENVELOPE_NBYTES]
+    buf = np.zeros(sum(sizes), np.uint8)
+    # Objects from pages 2, 0 and the first two rows of page 1.
+    sums = encode_objects(
+        SPEC, keys, [0, 4, 8], [4, 4, 2], pages, [2, 0, 1], buf, tails=[0, 0, 1]
     )
-    assert int(whole) == checksum(buf)
-    assert buf[: rows.nbytes].tobytes() == rows.tobytes()
-    env = buf[-ENVELOPE_NBYTES:]
-    assert env[:4].tobytes() == b"VART"
-    assert int.from_bytes(env[12:16].tobytes(), "little") == 30  # first row
-    assert int.from_bytes(env[16:20].tobytes(), "little") == 2  # rows
-    assert int.from_bytes(env[24:32].tobytes(), "little") == checksum(rows.tobytes())
-    assert env[32:64].tobytes().hex() == key
-    with pytest.raises(EnvelopeError):  # not a whole number of rows
-        encode_objects(SPEC, [key], [0], [rows.data.cast("B")[:-1]], buf[:-1])
-    with pytest.raises(EnvelopeError):
-        encode_objects(
-            SPEC,
-            [key],
-            [0],
-            [rows.data.cast("B")],
-            np.zeros(buf.shape[0] + 1, np.uint8),
-        )
+    o = 0
+    for i, (page, n, start) in enumerate(((2, 4, 0), (0, 4, 4), (1, 2, 8))):
+        obj = buf[o : o + sizes[i]]
+        assert int(sums[i]) == checksum(obj)
+        assert obj[: n * rb].tobytes() == pages[page, :n].tobytes()
+        env = obj[-ENVELOPE_NBYTES:]
+        assert env[:4].tobytes() == b"VART"
+        assert env[7] == (1 if n < block else 0)  # tail flag
+        assert int.from_bytes(env[12:16].tobytes(), "little") == start
+        assert int.from_bytes(env[16:20].tobytes(), "little") == n
+        assert not env[20:32].any()
+        assert env[32:64].tobytes().hex() == keys[i]
+        o += sizes[i]
+    with pytest.raises(EnvelopeError):  # more rows than a page holds
+        encode_objects(SPEC, keys[:1], [0], [5], pages, [0], buf[: sizes[0] + rb])
+    with pytest.raises(EnvelopeError):  # the buffer is not exactly the objects
+        encode_objects(SPEC, keys[:1], [0], [4], pages, [0], buf[: sizes[0] + 1])
+    with pytest.raises(EnvelopeError):  # pages of another row shape
+        encode_objects(SPEC, keys[:1], [0], [4], pages[:, :, :2], [0], buf[: sizes[0]])
 
 
 def test_check_coverage():

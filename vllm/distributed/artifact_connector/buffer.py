@@ -120,9 +120,9 @@ class RowSlab:
     def free(self, page: int) -> None:
         self._free.append(page)
 
-    def free_later(self, page: int) -> None:
-        """Return a page from another thread."""
-        self._returned.append(page)
+    def free_later(self, pages: list[int]) -> None:
+        """Return pages from another thread."""
+        self._returned.extend(pages)
 
 
 class AttemptRows:

@@ -149,6 +149,9 @@ class _Object(NamedTuple):
     weight_version: str
     tail: bool
 
+    def is_tail(self) -> bool:
+        return self.tail
+
 
 @dataclass
 class _Work:
@@ -472,8 +475,13 @@ class ArtifactPublisher:
         self._work.releases.append(aid)
 
     def _post(self, item: CommitProgress | FinalizeAck | AttemptFailed) -> None:
+        self._post_many([item])
+
+    def _post_many(
+        self, items: list[CommitProgress | FinalizeAck | AttemptFailed]
+    ) -> None:
         with self._results_cv:
-            self._results.append(item)
+            self._results.extend(items)
             self._results_cv.notify_all()
 
     def wait_for_answers(self, timeout_s: float) -> bool:
@@ -612,9 +620,8 @@ class ArtifactPublisher:
             ]
             self._writer.retain(_owner(att.aid), att.prefix_keys)
         objects = [o for o in work.objects if not o.att.failed]
-        for o in work.objects:
-            if o.att.failed:
-                self.slab.free_later(o.page)
+        if len(objects) < len(work.objects):
+            self.slab.free_later([o.page for o in work.objects if o.att.failed])
         if objects:
             self._publish(objects)
         for att, fin in work.finalizes:
@@ -630,27 +637,31 @@ class ArtifactPublisher:
             self._writer.release(_owner(aid))
 
     def _publish(self, objects: list[_Object]) -> None:
+        # Full blocks first: encode_objects copies and envelopes them as one
+        # array; tails (one per finishing request) follow.
+        objects.sort(key=_Object.is_tail)
         key = self._keys.key
         keys = [
             key(o.weight_version, o.block_hash, o.num_rows, tail=o.tail)
             for o in objects
         ]
-        rb = self.spec.row_nbytes
-        page_nbytes = self.block_size * rb
-        slab_bytes = self.slab.pages.reshape(-1).view(np.uint8).data
-        payloads = [
-            slab_bytes[o.page * page_nbytes : o.page * page_nbytes + o.num_rows * rb]
-            for o in objects
-        ]
-        lengths = np.array([len(p) for p in payloads], np.int64) + ENVELOPE_NBYTES
-        starts = [o.start for o in objects]
-        tails = [o.tail for o in objects]
+        starts = np.fromiter((o.start for o in objects), np.int64, len(objects))
+        nrows = np.fromiter((o.num_rows for o in objects), np.int64, len(objects))
+        pages = np.fromiter((o.page for o in objects), np.int64, len(objects))
+        tails = nrows < self.block_size
         try:
             result = self._writer.put_batch(
                 keys,
-                lengths,
+                nrows * self.spec.row_nbytes + ENVELOPE_NBYTES,
                 lambda buf: encode_objects(
-                    self.spec, keys, starts, payloads, buf, tails=tails
+                    self.spec,
+                    keys,
+                    starts,
+                    nrows,
+                    self.slab.pages,
+                    pages,
+                    buf,
+                    tails=tails,
                 ),
                 owners=[_owner(o.att.aid) for o in objects],
             )
@@ -658,17 +669,14 @@ class ArtifactPublisher:
             self._fail_in_thread(list(dict.fromkeys(o.att for o in objects)), e)
             return
         finally:
-            payloads.clear()
-            for o in objects:
-                self.slab.free_later(o.page)
+            self.slab.free_later(pages.tolist())
         ends: dict[AttemptId, int] = {}
         for o, ref in zip(objects, result.refs):
             o.att.own_refs.append(
                 (ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
             )
             ends[o.att.aid] = o.start + o.num_rows
-        for aid, end in ends.items():
-            self._post(CommitProgress(aid[0], aid[1], end))
+        self._post_many([CommitProgress(a[0], a[1], end) for a, end in ends.items()])
 
     def _acknowledge(self, att: _Attempt, fin: Finalize) -> FinalizeAck:
         version, prefix_hashes = att.prefix_version, att.prefix_hashes

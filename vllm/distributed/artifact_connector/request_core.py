@@ -15,8 +15,8 @@ its row count. Every key also carries the weight version that computed the
 block, so routes of other weights are never served under a key.
 
 An object is ``payload || envelope``: the rows in C order, then a 64-byte
-envelope (schema, dtype, shape, token range, the object's key, payload
-checksum) that makes the object self-describing.
+envelope (schema, dtype, shape, token range, the object's key) that makes
+the object self-describing; the store's checksum covers both.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from vllm.utils.routed_experts_rows import (
     RowSpec,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 ENVELOPE_MAGIC = b"VART"
 FLAG_TAIL = 1
 
@@ -57,11 +57,12 @@ ENVELOPE_DTYPE = np.dtype(
             "top_k",
             "start",
             "rows",
-            "checksum",
+            "reserved",
             "key",
         ],
-        "formats": ["V4", "<u2", "u1", "u1", "<u2", "<u2", "<u4", "<u4", "<u8", "V32"],
-        # 4 bytes of padding at 20: the checksum is 8-byte aligned.
+        "formats": ["V4", "<u2", "u1", "u1", "<u2", "<u2", "<u4", "<u4", "V8", "V32"],
+        # Bytes 20-31 are zero (schema 2 kept the payload's checksum at 24;
+        # the store's checksum covers the whole object).
         "offsets": [0, 4, 6, 7, 8, 10, 12, 16, 24, 32],
         "itemsize": 64,
     }
@@ -148,23 +149,38 @@ def tail_block_hash(
 def encode_objects(
     spec: RowSpec,
     keys: Sequence[str],
-    starts: Sequence[int],
-    payloads: Sequence[memoryview],
+    starts: Sequence[int] | np.ndarray,
+    num_rows: Sequence[int] | np.ndarray,
+    pages: np.ndarray,
+    page_of: Sequence[int] | np.ndarray,
     buf: np.ndarray,
     *,
-    tails: Sequence[bool] | None = None,
+    tails: Sequence[bool] | np.ndarray | None = None,
 ) -> np.ndarray:
     """Write object ``i`` back to back into ``buf`` (exactly the objects'
-    total size): ``payloads[i]``, the C-order bytes of its rows as a 1-D
-    byte view (``memoryview.cast("B")``; a whole number of rows of
-    ``spec``), which are rows ``[starts[i], ...)`` of its request, then its
-    envelope naming ``keys[i]``. Returns each whole object's checksum, for
-    the store."""
+    total size): the first ``num_rows[i]`` rows of ``pages[page_of[i]]``
+    (``pages``: ``[P, B, L, K]`` rows of ``spec``, the worker's row slab),
+    which are rows ``[starts[i], ...)`` of its request, then its envelope
+    naming ``keys[i]``. Returns each whole object's checksum, for the store.
+
+    The leading run of full pages (the publisher puts full blocks first) is
+    copied and enveloped as one ``[n, object]`` array; only the rest (a
+    finishing request's tail) goes object by object. What is left per
+    object is one checksum call."""
     n = len(keys)
     rb = spec.row_nbytes
-    sizes = [p.nbytes for p in payloads]
-    if any(size == 0 or size % rb for size in sizes):
-        raise EnvelopeError(f"payloads must hold a positive number of {rb}-byte rows")
+    bs = pages.shape[1]
+    nr = np.asarray(num_rows, np.int64)
+    which = np.asarray(page_of, np.int64)
+    if nr.shape != (n,) or which.shape != (n,):
+        raise EnvelopeError("one row count and one page per key")
+    if n and (nr.min() <= 0 or nr.max() > bs):
+        raise EnvelopeError(f"an object holds 1 to {bs} rows")
+    if pages.shape[2:] != spec.row_shape or pages.dtype != spec.dtype:
+        raise EnvelopeError("pages do not hold rows of this spec")
+    sizes = nr * rb + ENVELOPE_NBYTES
+    if int(sizes.sum()) != buf.shape[0]:
+        raise EnvelopeError("the buffer does not hold exactly these objects")
     env = np.zeros(n, ENVELOPE_DTYPE)
     env["magic"] = np.frombuffer(ENVELOPE_MAGIC, "V4")[0]
     env["schema"] = SCHEMA_VERSION
@@ -172,30 +188,31 @@ def encode_objects(
     env["layers"] = spec.num_layers
     env["top_k"] = spec.top_k
     env["start"] = np.asarray(starts, np.int64)
-    env["rows"] = np.array(sizes, np.int64) // rb
+    env["rows"] = nr
     if tails is not None:
         env["flags"] = np.where(np.asarray(tails, np.bool_), FLAG_TAIL, 0)
     env["key"] = np.frombuffer(bytes.fromhex("".join(keys)), "V32")
-    env_words = env.view(np.uint64).reshape(-1).data  # checksum: word 8*i + 3
-    env_mv = env.view(np.uint8).data
-    if sum(sizes) + n * ENVELOPE_NBYTES != buf.shape[0]:
-        raise EnvelopeError("the buffer does not hold exactly these objects")
-    sums = []
+    env_bytes = env.view(np.uint8).reshape(n, ENVELOPE_NBYTES)
+    page_bytes = pages.reshape(pages.shape[0], -1).view(np.uint8)
+    full = int(np.argmin(nr == bs)) if n and not (nr == bs).all() else n
+    whole = bs * rb + ENVELOPE_NBYTES
+    if full:
+        objs = buf[: full * whole].reshape(full, whole)
+        objs[:, : bs * rb] = page_bytes[which[:full]]
+        objs[:, bs * rb :] = env_bytes[:full]
+    o = full * whole
+    for i in range(full, n):
+        p = int(nr[i]) * rb
+        buf[o : o + p] = page_bytes[which[i], :p]
+        buf[o + p : o + p + ENVELOPE_NBYTES] = env_bytes[i]
+        o += p + ENVELOPE_NBYTES
     mv = buf.data
-    o = 0
-    e = 0
-    # One Python iteration per object: copy, hash the payload (envelope
-    # field, word 3), copy the envelope, hash the whole object (the store's
-    # checksum). Hashing 6 KiB twice costs less than a streaming state.
-    for i, (src, p) in enumerate(zip(payloads, sizes)):
-        end = o + p
-        mv[o:end] = src
-        env_words[8 * i + 3] = checksum(mv[o:end])
-        mv[end : end + ENVELOPE_NBYTES] = env_mv[e : e + ENVELOPE_NBYTES]
-        sums.append(checksum(mv[o : end + ENVELOPE_NBYTES]))
-        o = end + ENVELOPE_NBYTES
-        e += ENVELOPE_NBYTES
-    return np.array(sums, np.uint64)
+    offs = np.cumsum(sizes) - sizes
+    return np.fromiter(
+        (checksum(mv[a : a + b]) for a, b in zip(offs.tolist(), sizes.tolist())),
+        np.uint64,
+        n,
+    )
 
 
 # --------------------------------------------------------------------------

@@ -4,8 +4,8 @@
 
 The writer creates an arena with its full size allocated up front
 (``posix_fallocate``: a write through the mapping can then never hit a full
-``/dev/shm`` and die of SIGBUS) and maps it with ``MAP_POPULATE`` (page
-faults are paid once, when the arena is prepared, not inside a put).
+``/dev/shm`` and die of SIGBUS) and maps it without populating it (the
+puts that fill it take its page faults, a few pages each).
 Readers map arenas read-only. Arenas are never truncated or rewritten: an
 evicted arena is unlinked, and a reader that still maps it keeps reading
 the bytes its index describes until it sees the ``RETIRE`` record.
@@ -64,9 +64,14 @@ class Arena:
             error=UnsafeStoreError,
         )
         try:
+            # fallocate reserves the pages (a full /dev/shm fails here, not
+            # at a later write). No MAP_POPULATE: populating an arena inside
+            # mmap() holds the interpreter lock (~2 ms for 4 MiB), which was
+            # the step loop's worst stall; the puts take the page faults
+            # instead, a few pages each (docs/benchmarks.md, "Publication,
+            # rebuilt").
             os.posix_fallocate(fd, 0, size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=ns_fd)

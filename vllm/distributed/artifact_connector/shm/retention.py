@@ -23,6 +23,20 @@ class Retention:
                 held.add(key)
                 counts[key] = counts.get(key, 0) + 1
 
+    def retain_each(self, owners: list[str], keys: list[str]) -> None:
+        """Owner ``owners[i]`` retains ``keys[i]`` (a batch's objects)."""
+        held_of = self._held
+        counts = self._count
+        held: set[str] = set()
+        last: str | None = None
+        for owner, key in zip(owners, keys):
+            if owner != last:  # consecutive objects mostly share an owner
+                held = held_of.setdefault(owner, set())
+                last = owner
+            if key not in held:
+                held.add(key)
+                counts[key] = counts.get(key, 0) + 1
+
     def release(self, owner: str) -> int:
         """Drop everything ``owner`` holds; returns how many keys."""
         held = self._held.pop(owner, None)

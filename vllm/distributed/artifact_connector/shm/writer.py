@@ -275,9 +275,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         for s in statuses:
             self._counts[_STATUS_COUNTER[s]] += 1
         if owners is not None:
-            retain = self._retention.retain
-            for owner, key in zip(owners, keys):
-                retain(owner, (key,))
+            self._retention.retain_each(list(owners), keys)
         self._heartbeat()
         return PutResult(
             tuple(
