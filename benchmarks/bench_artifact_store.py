@@ -130,6 +130,7 @@ class Engine:
         self.root, self.ns = root, ns
         self.pos: dict[str, int] = {}
         self.hashed: dict[str, int] = {}
+        self.handle: dict[str, int] = {}
 
     def start(self, reqs: list[str]) -> None:
         self.pub.apply(
@@ -138,6 +139,7 @@ class Engine:
         for r in reqs:
             self.pos[r] = 0
             self.hashed[r] = 0
+            self.handle[r] = int(self.pub.current_attempts([r])[0])
 
     def step_inputs(self, counts: dict[str, int]) -> tuple:
         """Scheduler messages (hashes of blocks these rows complete) and the
@@ -156,7 +158,7 @@ class Engine:
                     )
                 )
                 self.hashed[r] = nb
-        attempts = [(r, 0) for r in counts]
+        attempts = np.array([self.handle[r] for r in counts], np.int64)
         starts = [self.pos[r] for r in counts]
         for r, n in counts.items():
             self.pos[r] += n
@@ -175,7 +177,7 @@ class Engine:
         self.start(reqs)
         for i, (r, n) in enumerate(zip(reqs, lengths)):
             self.pos[r] = n
-            self.pub.write_step([(r, 0)], [0], [n], rows_for(i, n))
+            self.pub.write_step(np.array([self.handle[r]]), [0], [n], rows_for(i, n))
 
     def timed_step(
         self, counts: dict[str, int]

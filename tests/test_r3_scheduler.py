@@ -55,6 +55,7 @@ class TwoSides:
             self.writer, self.spec, RowSlab(self.spec, B, 64), self.keys
         )
         self.sched = ArtifactSchedulerConnector(cfg, hash_block_size=B)
+        self.handles: dict = {}
         hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(B, hash_fn)
@@ -90,9 +91,17 @@ class TwoSides:
 
         so = SchedulerOutput.make_empty()
         so.scheduled_new_reqs = [NewRequestData.from_request(r, ([],)) for r in new]
-        self.pub.apply(self.sched.build_meta(so, self.requests))
+        meta = self.sched.build_meta(so, self.requests)
+        self.pub.apply(meta)
+        # As the worker does when it prepares a step: the handle of each
+        # request's attempt now (late rows of an older one keep theirs).
+        for st in meta.starts:
+            self.handles[(st.req_id, st.attempt)] = self.pub.current_attempts(
+                [st.req_id]
+            )[0]
         for req_id, attempt, start, n in rows:
-            self.pub.write_step([(req_id, attempt)], [start], [n], self.rows(start, n))
+            handle = self.handles.get((req_id, attempt), -1)
+            self.pub.write_step(np.array([handle]), [start], [n], self.rows(start, n))
         self.pub.flush()
         self.pub.wait_idle(10)
         outputs: dict = defaultdict(list)

@@ -69,10 +69,16 @@ def env(shm_root):
     conn.close()
 
 
+def current(conn, *req_ids):
+    """The requests' attempt handles now, as ``prepare_step`` takes them."""
+    return conn._publisher.current_attempts(list(req_ids))
+
+
 def step(conn, attempts, starts, scheduled, rows, rejected, version="default"):
-    """One model step: ``rows`` holds every scheduled token's row (drafts
-    included), ``rejected`` the drafts the sampler rejected per request;
-    ``version``: the weight version when the step was prepared."""
+    """One model step of the ``attempts`` (handles from :func:`current`):
+    ``rows`` holds every scheduled token's row (drafts included),
+    ``rejected`` the drafts the sampler rejected per request; ``version``:
+    the weight version when the step was prepared."""
     qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
     pending = PendingArtifactStep(
         conn,
@@ -117,7 +123,7 @@ def test_rejected_draft_rows_are_dropped_and_the_next_step_reattaches(env):
             hashes=(BlockHashes(r, 1, 0, tuple(bh(r, b) for b in range(4))),),
         )
     )
-    aid = [(r, 1)]
+    aid = current(conn, r)
     # Prefill: 5 prompt tokens.
     truth = [rows_for(np.arange(5))]
     step(conn, aid, [0], [5], truth[0], [0])
@@ -143,7 +149,8 @@ def test_rows_of_an_ended_attempt_are_ignored(env):
     conn.begin_step(
         ArtifactSchedulerMeta(starts=(AttemptStart(r, 1, 0),), hashes=hashes)
     )
-    step(conn, [(r, 1)], [0], [6], rows_for(np.arange(6)), [0])
+    first = current(conn, r)
+    step(conn, first, [0], [6], rows_for(np.arange(6)), [0])
     # Preempted: attempt 1 ends; a step scheduled before that still returns
     # rows tagged with attempt 1, then attempt 2 recomputes from scratch.
     conn.begin_step(
@@ -153,8 +160,8 @@ def test_rows_of_an_ended_attempt_are_ignored(env):
             hashes=(BlockHashes(r, 2, 0, (bh(r, 0), bh(r, 1))),),
         )
     )
-    step(conn, [(r, 1)], [6], [1], rows_for(np.arange(6, 7), salt=9), [0])
-    step(conn, [(r, 2)], [0], [7], rows_for(np.arange(7), salt=3), [0])
+    step(conn, first, [6], [1], rows_for(np.arange(6, 7), salt=9), [0])
+    step(conn, current(conn, r), [0], [7], rows_for(np.arange(7), salt=3), [0])
     got = finish(conn, reader, r, 2, 7, tail_hash=bh(r, 77))
     np.testing.assert_array_equal(got, rows_for(np.arange(7), salt=3))
     assert conn.stats()["attempts"] == 0
@@ -169,12 +176,14 @@ def test_forward_steps_report_without_waiting(env):
             hashes=(BlockHashes(r, 1, 0, (bh(r, 0),)),),
         )
     )
-    step(conn, [(r, 1)], [0], [4], rows_for(np.arange(4)), [0])
+    step(conn, current(conn, r), [0], [4], rows_for(np.arange(4)), [0])
     conn.begin_step(ArtifactSchedulerMeta(finalizes=(Finalize(r, 1, 4),)))
     # Other requests' forward steps carry the acknowledgement once it is
     # ready; none of them blocks on it.
     for _ in range(500):
-        report = step(conn, [("other", 1)], [0], [1], rows_for(np.arange(1)), [0])
+        report = step(
+            conn, current(conn, "other"), [0], [1], rows_for(np.arange(1)), [0]
+        )
         if report is not None and report.acks:
             break
         time.sleep(0.01)

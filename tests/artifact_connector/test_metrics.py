@@ -194,7 +194,7 @@ def _step(conn, req, start, n):
     rows = np.full((n, 3, 2), start % 251, np.uint8)
     pending = PendingArtifactStep(
         conn,
-        [(req, 1)],
+        conn._publisher.current_attempts([req]),  # as prepare_step takes it
         "default",
         np.array([start], np.int32),
         np.array([0, n], np.int32),

@@ -61,15 +61,22 @@ class Harness:
         self.reader = ShmStoreReader(root, ns)
         self.acks: dict = {}
         self.failures: dict = {}
+        self.handles: dict = {}
 
     def step(self, meta=None, rows=()):
         """One engine step: messages, then rows ``(req, attempt, start,
         array)``, then flush; waits for the thread and collects reports."""
         if meta is not None:
             self.pub.apply(meta)
+            # As the worker does when it prepares a step: the handle of each
+            # request's attempt now (late rows of an older one keep theirs).
+            for st in meta.starts:
+                self.handles[(st.req_id, st.attempt)] = self.pub.current_attempts(
+                    [st.req_id]
+                )[0]
         if rows:
             self.pub.write_step(
-                [(r, a) for r, a, _, _ in rows],
+                np.array([self.handles.get((r, a), -1) for r, a, _, _ in rows]),
                 [s for _, _, s, _ in rows],
                 [len(x) for *_, x in rows],
                 np.concatenate([x for *_, x in rows]),
@@ -129,6 +136,54 @@ def test_one_put_per_step_across_many_requests(h, monkeypatch):
         np.testing.assert_array_equal(h.read(r), truth[r][:-3])
 
 
+def test_decode_steps_placed_in_bulk_equal_the_truth(h, monkeypatch):
+    """24 requests at staggered lengths decode together for 23 steps: every
+    decode row, those that start a page included, goes through the array
+    path; the prefill chunks and a rewritten suffix through the per-request
+    one; every row lands where the truth has it."""
+    one_by_one = []
+    real_slow = h.pub._write_rows_one_by_one
+    monkeypatch.setattr(
+        h.pub,
+        "_write_rows_one_by_one",
+        lambda which, *a: one_by_one.append(len(which)) or real_slow(which, *a),
+    )
+    reqs = [f"d{i}" for i in range(24)]
+    steps = 23
+    truth = {r: routes(100 + i, i % 7 + steps + 1) for i, r in enumerate(reqs)}
+    prompt = {r: i % 7 + 1 for i, r in enumerate(reqs)}
+    hashes = tuple(
+        BlockHashes(r, 0, 0, tuple(block_hash(r, b) for b in range(len(t) // B)))
+        for r, t in truth.items()
+    )
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=tuple(AttemptStart(r, 0, 0) for r in reqs), hashes=hashes
+        ),
+        [(r, 0, 0, truth[r][: prompt[r]]) for r in reqs],
+    )
+    for k in range(steps):
+        if k == 6:
+            # d3 (4 prompt rows) rewrites row 9 inside its open block [8, 12)
+            # (a rejected asynchronous suffix).
+            h.step(rows=[("d3", 0, 9, truth["d3"][9:10])])
+        h.step(
+            rows=[(r, 0, prompt[r] + k, truth[r][prompt[r] + k :][:1]) for r in reqs]
+        )
+    # The prefill step (the 20 prompts longer than one row) and the rewrite
+    # only: no decode row went one by one.
+    assert one_by_one == [20, 1]
+    fins = []
+    for r in reqs:
+        n = prompt[r] + steps
+        tail = None if n % B == 0 else block_hash(r, 1000)
+        fins.append(Finalize(r, 0, n, tail))
+    h.step(ArtifactSchedulerMeta(finalizes=tuple(fins)))
+    assert not h.failures
+    for r in reqs:
+        np.testing.assert_array_equal(h.read(r), truth[r][: prompt[r] + steps])
+
+
 def test_full_life_cycle_with_a_sibling_prefix_hit_and_prompt_start(h):
     a = routes(1, 14)
     hashes = tuple(block_hash("shared", b) for b in range(3))
@@ -171,7 +226,7 @@ def test_waiting_for_the_answers_of_handed_finalizes(h):
     )
     h.pub.flush()
     assert h.pub.owes_answers()  # the finalize waits for its rows
-    h.pub.write_step([("r", 0)], [0], [2], routes(1, 2))
+    h.pub.write_step(h.pub.current_attempts(["r"]), [0], [2], routes(1, 2))
     h.pub.flush()
     assert h.pub.wait_for_answers(10)
     (ack,) = h.pub.report().acks
@@ -185,7 +240,7 @@ def test_a_finalize_after_a_failure_leaves_nothing_to_wait_for(h):
     (the old worker connector kept it in its awaited set forever)."""
     h.step(ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)))
     # Rows with a gap fail the attempt on the engine side.
-    h.pub.write_step([("r", 0)], [3], [1], routes(1, 1))
+    h.pub.write_step(h.pub.current_attempts(["r"]), [3], [1], routes(1, 1))
     h.step()
     assert h.failures["r"].error_type == "RowGapError"
     h.step(ArtifactSchedulerMeta(finalizes=(Finalize("r", 0, 4, None),)))
@@ -198,11 +253,13 @@ def test_a_finalize_after_a_failure_leaves_nothing_to_wait_for(h):
 def test_captured_rows_of_the_wrong_format_are_refused(h):
     h.pub.apply(ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)))
     with pytest.raises(ArtifactError, match="captured rows must be"):
-        h.pub.write_step([("r", 0)], [0], [1], np.zeros((1, 2, 2), np.uint8))
+        h.pub.write_step(
+            h.pub.current_attempts(["r"]), [0], [1], np.zeros((1, 2, 2), np.uint8)
+        )
     with pytest.raises(ArtifactError, match="counts add up"):
-        h.pub.write_step([("r", 0)], [0], [2], routes(1, 1))
+        h.pub.write_step(h.pub.current_attempts(["r"]), [0], [2], routes(1, 1))
     # A gap fails that attempt only, with a typed report.
-    h.pub.write_step([("r", 0)], [5], [1], routes(1, 1))
+    h.pub.write_step(h.pub.current_attempts(["r"]), [5], [1], routes(1, 1))
     (f,) = h.pub.report().failures
     assert (f.req_id, f.error_type) == ("r", "RowGapError") and "gap" in f.message
 
@@ -423,7 +480,13 @@ def test_rows_carry_the_weight_version_of_the_step_that_computed_them(h):
     )
     prepared_under = h.pub.weight_version
     h.pub.apply(ArtifactSchedulerMeta(weight_version="w2"))  # the next step
-    h.pub.write_step([("h", 0)], [0], [8], routes(3, 8), weight_version=prepared_under)
+    h.pub.write_step(
+        h.pub.current_attempts(["h"]),
+        [0],
+        [8],
+        routes(3, 8),
+        weight_version=prepared_under,
+    )
     h.step(ArtifactSchedulerMeta(finalizes=(Finalize("h", 0, 8, None),)))
     assert h.acks["h"].refs.weight_versions == ("default", "default")
 

@@ -12,6 +12,11 @@ and returns it to the slab once the object is in the store.
 The slab is sized from the scheduler's limits, so memory is bounded and
 known at start-up: one partial page per running request plus the pages of
 the steps that can be in flight or queued for publication.
+
+Each attempt's cursors (rows end, committed end, its last page) live in
+one slot of :class:`RowCursors`, arrays shared by all attempts, so that a
+decode step places the rows of every running request with a few array
+operations instead of a Python call per request (``write_step``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,77 @@ class RowBufferCapacityError(RowBufferError):
 PAGE_WAIT_S = 2.0
 
 
+# A handle is (generation << SLOT_BITS) | slot: rows prepared for an attempt
+# whose slot was reused since are recognised as stale.
+SLOT_BITS = 24
+SLOT_MASK = (1 << SLOT_BITS) - 1
+
+
+class RowCursors:
+    """One slot per live attempt, as columns (engine side only):
+
+    * ``handle``: the slot's current handle (-1: free);
+    * ``end`` / ``committed``: the attempt's rows end and published end;
+    * ``npages`` / ``tail_page``: how many pages it holds, and its last one
+      (-1: none);
+    * ``last_rows_end`` / ``last_sched_end``: where its last step's rows
+      ended, and where that step's scheduled tokens ended (drafts included);
+    * ``ending``: a finalize or a drain waits for its rows."""
+
+    _COLUMNS = (
+        ("handle", np.int64, -1),
+        ("end", np.int64, 0),
+        ("committed", np.int64, 0),
+        ("npages", np.int64, 0),
+        ("tail_page", np.int64, -1),
+        ("last_rows_end", np.int64, -1),
+        ("last_sched_end", np.int64, -1),
+        ("ending", np.bool_, False),
+    )
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.handle = self.end = self.committed = self.npages = np.zeros(0, np.int64)
+        self.tail_page = self.last_rows_end = self.last_sched_end = self.handle
+        self.ending = np.zeros(0, np.bool_)
+        self._free: list[int] = []
+        self._generation = 0
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.handle.shape[0]
+        for name, dtype, fill in self._COLUMNS:
+            col = np.full(capacity, fill, dtype)
+            col[:old] = getattr(self, name)
+            setattr(self, name, col)
+        self._free.extend(range(capacity - 1, old - 1, -1))
+
+    def take(self, start_row: int) -> int:
+        """A slot for a new attempt whose rows start at ``start_row``;
+        returns its handle."""
+        if not self._free:
+            self._grow(2 * self.handle.shape[0])
+        slot = self._free.pop()
+        self._generation += 1
+        handle = (self._generation << SLOT_BITS) | slot
+        for name, _, fill in self._COLUMNS:
+            getattr(self, name)[slot] = fill
+        self.handle[slot] = handle
+        self.end[slot] = self.committed[slot] = start_row
+        return handle
+
+    def give_back(self, handle: int) -> None:
+        slot = handle & SLOT_MASK
+        if self.handle[slot] == handle:
+            self.handle[slot] = -1
+            self._free.append(slot)
+
+    def slots_of(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, whether each handle is still live)."""
+        known = handles >= 0
+        slots = np.where(known, handles & SLOT_MASK, 0)
+        return slots, known & (self.handle[slots] == handles)
+
+
 class RowSlab:
     """``num_pages`` pages of ``[block_size, L, K]`` rows in one array.
 
@@ -61,6 +137,7 @@ class RowSlab:
         self.spec = spec
         self.block_size = block_size
         self.pages = np.zeros((num_pages, block_size, *spec.row_shape), spec.dtype)
+        self.cursors = RowCursors()
         self._free = list(range(num_pages - 1, -1, -1))
         self._returned: collections.deque[int] = collections.deque()
 
@@ -104,18 +181,25 @@ class RowSlab:
     def alloc(self, timeout_s: float = 0.0) -> int:
         """A free page; waits up to ``timeout_s`` for the publication thread
         to return one, then raises :class:`RowBufferCapacityError`."""
+        return self.alloc_many(1, timeout_s)[0]
+
+    def alloc_many(self, n: int, timeout_s: float = 0.0) -> list[int]:
+        """``n`` free pages (see :meth:`alloc`)."""
         self._reclaim()
         deadline = time.monotonic() + timeout_s
-        while not self._free and time.monotonic() < deadline:
+        while len(self._free) < n and time.monotonic() < deadline:
             time.sleep(0.001)  # rare: the slab was sized for the worst case
             self._reclaim()
-        if not self._free:
+        if len(self._free) < n:
             raise RowBufferCapacityError(
                 f"the artifact row buffer's {self.num_pages} pages are all in "
                 "use: more rows are in flight than the scheduler limits allow "
                 "for, or publication is not keeping up"
             )
-        return self._free.pop()
+        free = self._free
+        taken = free[-n:]
+        del free[-n:]
+        return taken
 
     def free(self, page: int) -> None:
         self._free.append(page)
@@ -147,10 +231,42 @@ class AttemptRows:
             )
         self.slab = slab
         self.start_row = start_row
-        self.committed = start_row
-        self.end = start_row
+        self._cur = slab.cursors
+        self.handle = self._cur.take(start_row)
+        self.slot = self.handle & SLOT_MASK
         self._pages: list[int] = []
         self._versions: list[str] = []
+
+    @property
+    def end(self) -> int:
+        return self._cur.end.item(self.slot)
+
+    @end.setter
+    def end(self, value: int) -> None:
+        self._cur.end[self.slot] = value
+
+    @property
+    def committed(self) -> int:
+        return self._cur.committed.item(self.slot)
+
+    @committed.setter
+    def committed(self, value: int) -> None:
+        self._cur.committed[self.slot] = value
+
+    def _pages_changed(self) -> None:
+        pages, slot = self._pages, self.slot
+        self._cur.npages[slot] = len(pages)
+        self._cur.tail_page[slot] = pages[-1] if pages else -1
+
+    def append_page(self, page: int, weight_version: str) -> None:
+        """Take ``page`` as the next page, for rows that start it (the
+        caller updates the cursors' ``npages`` and ``tail_page``)."""
+        self._pages.append(page)
+        self._versions.append(weight_version)
+
+    def release(self) -> None:
+        """Give the attempt's cursor slot back (it left the publisher)."""
+        self._cur.give_back(self.handle)
 
     def place(
         self, start: int, num_rows: int, weight_version: str
@@ -179,6 +295,7 @@ class AttemptRows:
             if page_idx == len(pages):
                 pages.append(self.slab.alloc(PAGE_WAIT_S))
                 self._versions.append(weight_version)
+                self._pages_changed()
             take = min(bs - off, end - pos)
             pieces.append((pages[page_idx], off, take))
             pos += take
@@ -190,18 +307,14 @@ class AttemptRows:
         while len(self._pages) > keep:
             self.slab.free(self._pages.pop())
             self._versions.pop()
+        self._pages_changed()
         self.end = end
 
     def place_one(self, row: int, weight_version: str) -> int:
-        """:meth:`place` for one row (a decode step): its index in the slab
-        viewed as ``[num_pages * block_size, L, K]`` rows."""
-        bs = self.slab.block_size
-        k = row - self.committed
-        if row == self.end and k < len(self._pages) * bs:  # room in the last page
-            self.end = row + 1
-            return self._pages[k // bs] * bs + k % bs
+        """:meth:`place` for one row: its index in the slab viewed as
+        ``[num_pages * block_size, L, K]`` rows."""
         ((page, off, _),) = self.place(row, 1, weight_version)
-        return page * bs + off
+        return page * self.slab.block_size + off
 
     def take_blocks(
         self, hashes: dict[int, bytes]
@@ -212,12 +325,16 @@ class AttemptRows:
         each."""
         bs = self.slab.block_size
         out = []
-        while self.end - self.committed >= bs:
-            h = hashes.pop(self.committed // bs, None)
+        end, committed = self.end, self.committed
+        while end - committed >= bs:
+            h = hashes.pop(committed // bs, None)
             if h is None:
                 break
-            out.append((self.committed, self._pages.pop(0), self._versions.pop(0), h))
-            self.committed += bs
+            out.append((committed, self._pages.pop(0), self._versions.pop(0), h))
+            committed += bs
+        if out:
+            self.committed = committed
+            self._pages_changed()
         return out
 
     def take_tail(self, num_rows: int) -> tuple[int, int, int, str] | None:
@@ -242,6 +359,7 @@ class AttemptRows:
         row = self.committed
         self.committed = num_rows
         page, version = self._pages.pop(0), self._versions.pop(0)
+        self._pages_changed()
         return row, page, num_rows - row, version
 
     def drop(self) -> None:
@@ -250,4 +368,5 @@ class AttemptRows:
             self.slab.free(page)
         self._pages.clear()
         self._versions.clear()
+        self._pages_changed()
         self.end = self.committed

@@ -50,7 +50,11 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
-from vllm.distributed.artifact_connector.buffer import AttemptRows, RowSlab
+from vllm.distributed.artifact_connector.buffer import (
+    PAGE_WAIT_S,
+    AttemptRows,
+    RowSlab,
+)
 from vllm.distributed.artifact_connector.protocol import (
     Abort,
     ArtifactSchedulerMeta,
@@ -114,8 +118,9 @@ def _owner(aid: AttemptId) -> str:
 @dataclass(eq=False)
 class _Attempt:
     """One attempt. Engine side (under the engine lock): its unpublished
-    rows, the block hashes not used yet, how it ends, where its last step's
-    rows ended. Publication thread only: what it retains and published."""
+    rows (and, in their cursor slot, where its last step's rows ended), the
+    block hashes not used yet, how it ends. Publication thread only: what
+    it retains and published."""
 
     aid: AttemptId
     rows: AttemptRows
@@ -125,10 +130,6 @@ class _Attempt:
     finalize: Finalize | None = None
     drain_rows: int | None = None
     deadline: float = 0.0
-    # (rows end, scheduled end) of its last step: a step placed after the
-    # previous step's rejected drafts is moved back to the rows end.
-    last_rows_end: int = -1
-    last_scheduled_end: int = -1
     # Publication thread.
     prefix_version: str = ""
     prefix_hashes: tuple[bytes, ...] = ()
@@ -191,9 +192,11 @@ class ArtifactPublisher:
         self._versions_seen = [weight_version]
         self._finalize_wait_s = finalize_wait_s
         self._idle_upkeep_s = idle_upkeep_s
-        # Engine side: the attempt table, each request's newest attempt,
-        # attempts to look at in the next flush.
+        # Engine side: the attempt table, the same by cursor slot, each
+        # request's newest attempt (its handle), attempts to look at in the
+        # next flush.
         self._attempts: dict[AttemptId, _Attempt] = {}
+        self._at_slot: dict[int, _Attempt] = {}
         self._current: dict[str, int] = {}
         self._dirty: set[AttemptId] = set()
         self._work = _Work()
@@ -238,11 +241,12 @@ class ArtifactPublisher:
             del self._versions_seen[:-MAX_VERSIONS_SEEN]
 
     @_engine_side
-    def current_attempts(self, req_ids: list[str]) -> list[AttemptId]:
-        """The attempt each request's rows of a step prepared now belong to
-        (``-1``: none, the rows are ignored)."""
+    def current_attempts(self, req_ids: list[str]) -> np.ndarray:
+        """The handle of the attempt each request's rows of a step prepared
+        now belong to (``-1``: none, the rows are ignored), for
+        :meth:`write_step`."""
         current = self._current.get
-        return [(r, current(r, -1)) for r in req_ids]
+        return np.fromiter((current(r, -1) for r in req_ids), np.int64, len(req_ids))
 
     @_engine_side
     def apply(self, meta: ArtifactSchedulerMeta) -> None:
@@ -252,14 +256,16 @@ class ArtifactPublisher:
         work = self._work
         for s in meta.starts:
             aid = (s.req_id, s.attempt)
-            old = self._attempts.pop(aid, None)
+            old = self._attempts.get(aid)
             if old is not None:  # a repeated start replaces the attempt
                 old.rows.drop()
+                self._remove(old)
             att = _Attempt(aid, AttemptRows(self.slab, s.cached_rows))
             att.prefix_version = self._weight_version
             att.prefix_hashes = s.prefix_hashes
             self._attempts[aid] = att
-            self._current[s.req_id] = s.attempt
+            self._at_slot[att.rows.slot] = att
+            self._current[s.req_id] = att.rows.handle
             if len(s.prefix_hashes) * self.block_size != s.cached_rows:
                 self._fail_here(
                     aid,
@@ -286,6 +292,7 @@ class ArtifactPublisher:
                 continue
             known.drain_rows = d.num_rows
             known.deadline = deadline
+            self.slab.cursors.ending[known.rows.slot] = True
             self._dirty.add(aid)
         for f in meta.finalizes:
             # An attempt that is not here failed; the scheduler has its
@@ -295,6 +302,7 @@ class ArtifactPublisher:
                 known.finalize = f
                 known.drain_rows = None
                 known.deadline = deadline
+                self.slab.cursors.ending[known.rows.slot] = True
                 self._dirty.add(known.aid)
         for r in meta.releases:
             work.releases.append((r.req_id, r.attempt))
@@ -302,73 +310,117 @@ class ArtifactPublisher:
     @_engine_side
     def write_step(
         self,
-        attempts: list[AttemptId],
-        starts: list[int],
-        counts: list[int],
+        attempts: np.ndarray,
+        starts: list[int] | np.ndarray,
+        counts: list[int] | np.ndarray,
         rows: np.ndarray,
         *,
-        scheduled: list[int] | None = None,
+        scheduled: list[int] | np.ndarray | None = None,
         weight_version: str | None = None,
     ) -> None:
         """One step's captured rows: ``rows`` (``[sum(counts), L, K]``) holds
         ``counts[i]`` rows for tokens ``[starts[i], starts[i] + counts[i])``
-        of ``attempts[i]``, in that order; ``scheduled[i] >= counts[i]`` were
-        scheduled (the rest were rejected drafts). They were computed under
+        of attempt ``attempts[i]`` (a handle from :meth:`current_attempts`),
+        in that order; ``scheduled[i] >= counts[i]`` were scheduled (the
+        rest were rejected drafts). They were computed under
         ``weight_version`` (the version when the step was prepared). Rows
-        of unknown (ended, failed) attempts are ignored."""
+        of attempts that ended or failed since are ignored.
+
+        Decode rows that continue their attempt are placed for all requests
+        at once, with array operations (a row that starts a page takes it in
+        one allocation for all of them); the others (prefill chunks,
+        rewrites, drafts) go request by request."""
         spec = self.spec
         if rows.dtype != spec.dtype or rows.shape[1:] != spec.row_shape:
             raise ArtifactError(
                 f"captured rows must be [n, {spec.num_layers}, {spec.top_k}] "
                 f"{spec.dtype}, got {list(rows.shape)} {rows.dtype}"
             )
-        if sum(counts) != rows.shape[0]:
+        handles = np.asarray(attempts, np.int64)
+        start = np.asarray(starts, np.int64)
+        count = np.asarray(counts, np.int64)
+        sched = count if scheduled is None else np.asarray(scheduled, np.int64)
+        if int(count.sum()) != rows.shape[0]:
             raise ArtifactError(
-                f"counts add up to {sum(counts)} rows, got {rows.shape[0]}"
+                f"counts add up to {int(count.sum())} rows, got {rows.shape[0]}"
             )
+        bs = self.block_size
+        cur = self.slab.cursors
+        slot, live = cur.slots_of(handles)
+        first = np.cumsum(count) - count
+        held = cur.end[slot] - cur.committed[slot]
+        fast = live & (count == 1) & (sched == 1) & (start == cur.end[slot])
+        opens = fast & (held == cur.npages[slot] * bs)  # rows that start a page
+        if opens.any():
+            os_ = slot[opens]
+            try:
+                new_pages = self.slab.alloc_many(os_.shape[0], PAGE_WAIT_S)
+            except ArtifactError:  # each of them fails alone, one by one
+                fast &= ~opens
+            else:
+                version = weight_version or self._weight_version
+                at = self._at_slot
+                for s, page in zip(os_.tolist(), new_pages):
+                    at[s].rows.append_page(page, version)
+                cur.npages[os_] += 1
+                cur.tail_page[os_] = new_pages
+        if fast.any():
+            fs = slot[fast]
+            dst = cur.tail_page[fs] * bs + held[fast] - (cur.npages[fs] - 1) * bs
+            flat = self.slab.pages.reshape(-1, *spec.row_shape)
+            flat[dst] = rows[first[fast]]
+            cur.end[fs] += 1
+            cur.last_rows_end[fs] = cur.last_sched_end[fs] = cur.end[fs]
+            wake = fs[(cur.end[fs] - cur.committed[fs] >= bs) | cur.ending[fs]]
+            at = self._at_slot
+            self._dirty.update(at[s].aid for s in wake.tolist())
+        slow = np.flatnonzero(live & ~fast)
+        if slow.shape[0]:
+            self._write_rows_one_by_one(
+                slow, slot, start, count, sched, first, rows, weight_version
+            )
+
+    def _write_rows_one_by_one(
+        self,
+        which: np.ndarray,
+        slot: np.ndarray,
+        start: np.ndarray,
+        count: np.ndarray,
+        sched: np.ndarray,
+        first: np.ndarray,
+        rows: np.ndarray,
+        weight_version: str | None,
+    ) -> None:
         pages = self.slab.pages
-        dst: list[int] = []  # single rows (decodes), copied in one gather
-        src: list[int] = []
+        cur = self.slab.cursors
         bs = self.block_size
         version = weight_version or self._weight_version
-        dirty = self._dirty
-        lo = 0
-        attempts_get = self._attempts.get
-        for i, (aid, start, n) in enumerate(zip(attempts, starts, counts)):
-            att = attempts_get(aid)
-            first, lo = lo, lo + n
-            if att is None:
-                continue
-            if att.last_rows_end < start <= att.last_scheduled_end:
+        for i in which.tolist():
+            att = self._at_slot[int(slot[i])]
+            s, n, lo = int(start[i]), int(count[i]), int(first[i])
+            sl = att.rows.slot
+            if cur.last_rows_end[sl] < s <= cur.last_sched_end[sl]:
                 # The scheduler placed this step after the previous one's
                 # draft tokens, some of which were rejected.
-                start = att.last_rows_end
-            att.last_rows_end = start + n
-            att.last_scheduled_end = start + (scheduled[i] if scheduled else n)
+                s = int(cur.last_rows_end[sl])
+            cur.last_rows_end[sl] = s + n
+            cur.last_sched_end[sl] = s + int(sched[i])
             if not n:
                 continue
             rows_state = att.rows
             try:
-                if n == 1:
-                    dst.append(rows_state.place_one(start, version))
-                    src.append(first)
-                else:
-                    i = first
-                    for page, off, take in rows_state.place(start, n, version):
-                        pages[page, off : off + take] = rows[i : i + take]
-                        i += take
+                for page, off, take in rows_state.place(s, n, version):
+                    pages[page, off : off + take] = rows[lo : lo + take]
+                    lo += take
             except ArtifactError as e:
-                self._fail_here(aid, e)
+                self._fail_here(att.aid, e)
                 continue
             if (
                 rows_state.end - rows_state.committed >= bs
                 or att.finalize
                 or att.drain_rows is not None
             ):
-                dirty.add(aid)
-        if dst:
-            flat = pages.reshape(-1, *spec.row_shape)
-            flat[dst] = rows[src]
+                self._dirty.add(att.aid)
 
     @_engine_side
     def flush(self) -> None:
@@ -460,9 +512,11 @@ class ArtifactPublisher:
         dropped)."""
         aid = att.aid
         del self._attempts[aid]
+        del self._at_slot[att.rows.slot]
         self._dirty.discard(aid)
-        if self._current.get(aid[0]) == aid[1]:
+        if self._current.get(aid[0]) == att.rows.handle:
             del self._current[aid[0]]
+        att.rows.release()
 
     def _fail_here(self, aid: AttemptId, error: BaseException) -> None:
         """Fail an attempt on the engine's thread: drop its rows, report,

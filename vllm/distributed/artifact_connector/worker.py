@@ -30,7 +30,6 @@ from vllm.distributed.artifact_connector.metrics import STATS_INTERVAL_S
 from vllm.distributed.artifact_connector.protocol import (
     ArtifactSchedulerMeta,
     ArtifactWorkerReport,
-    AttemptId,
 )
 from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
 from vllm.distributed.artifact_connector.request_core import KeySpace
@@ -105,7 +104,7 @@ class PendingArtifactStep:
     produces the step's output."""
 
     connector: ArtifactWorkerConnector
-    attempts: list[AttemptId]
+    attempts: np.ndarray
     weight_version: str
     starts: np.ndarray
     query_start_loc: np.ndarray
@@ -238,10 +237,10 @@ class ArtifactWorkerConnector:
             )
         publisher.write_step(
             step.attempts,
-            step.starts.tolist(),
-            counts.tolist(),
+            step.starts,
+            counts,
             rows,
-            scheduled=scheduled.tolist(),
+            scheduled=scheduled,
             weight_version=step.weight_version,
         )
         publisher.flush()
