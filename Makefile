@@ -14,7 +14,7 @@ PIP := $(VPY) -m pip --disable-pip-version-check
 # pip's noise about the machine's own find-links; grep exits 1 when it drops
 # every line, which must not hide pip's status (the recipes use pipefail).
 PIP_FILTER := { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
-LINT_PATHS := vllm tests tools benchmarks setup.py
+LINT_PATHS := vllm vllm_host_transport tests tools benchmarks setup.py
 # make serve: MODEL defaults to the demo's tiny MoE; ARGS go to `vllm serve`.
 MODEL ?=
 ARGS ?=
@@ -100,8 +100,9 @@ lint: setup
 	@$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	@$(MAKE) --no-print-directory typecheck
 
-# mypy takes either modules or files per run: the overlay is checked as the
-# installed vllm.* modules it becomes, the tools as files.
+# mypy takes either modules or files per run: the overlay and the top-level
+# vllm_host_transport are checked as the installed modules they become (fork.py
+# modules names them), the tools as files.
 typecheck:
 	@$(VENV)/bin/mypy --cache-dir .cache/mypy $$($(VPY) tools/fork.py modules)
 	@$(VENV)/bin/mypy --cache-dir .cache/mypy tools/fork.py tools/build_tiny_moe.py \

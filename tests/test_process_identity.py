@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from vllm.distributed.process_identity import ProcessWatch, process_start_ticks
+from vllm_host_transport.process_identity import ProcessWatch, process_start_ticks
 
 
 def test_self_is_alive_and_start_ticks_are_stable():

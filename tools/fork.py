@@ -3,12 +3,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The fork toolchain: apply, check and refresh the patch series on vLLM 0.32.0.
 
-The fork is two things kept in this repository:
+The fork is kept in this repository as:
 
 * ``patches/series``: edits to upstream files, applied in order (``git apply``
   semantics: exact context, no fuzz);
 * ``vllm/``: files the fork adds, overlaid into the installed ``vllm`` package by
-  symlink, so edits to them take effect without re-running set-up.
+  symlink, so edits to them take effect without re-running set-up;
+* top-level packages beside ``vllm/`` (``TOP_PACKAGES``: the host transport,
+  which a trainer imports without vLLM), each linked whole into
+  site-packages the same way.
 
 Pristine upstream files always come from the pinned wheel (downloaded once into
 ``.cache/wheels/<base>/``), never from a previously patched install, so applying
@@ -21,7 +24,7 @@ Verbs::
     fork.py refresh PATCH [FILE...]    # quilt-style: re-diff from the edited venv files
     fork.py new     NAME FILE...       # start a patch from edited venv files
     fork.py status
-    fork.py modules                    # mypy -m arguments for the overlay
+    fork.py modules                    # mypy -m arguments for the fork's modules
     fork.py materialize [--base cuda] DIR   # the whole forked tree, no symlinks
 
 Only the standard library and ``git`` are used.
@@ -48,6 +51,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PATCHES = ROOT / "patches"
 SERIES = PATCHES / "series"
 OVERLAY = ROOT / "vllm"
+# Packages the fork adds at the top level of site-packages, beside vllm: the
+# same-node host transport is imported by processes without vLLM (a trainer
+# with another vLLM version, or none), so it cannot live under vllm/.
+TOP_PACKAGES = ("vllm_host_transport",)
 WHEELS = ROOT / ".cache" / "wheels"
 STATE_NAME = "vllm-fork-state.json"
 VERSION = "0.32.0"
@@ -276,9 +283,27 @@ def overlay_files() -> list[str]:
     return out
 
 
+def top_package_files() -> list[str]:
+    out = []
+    for name in TOP_PACKAGES:
+        for path in sorted((ROOT / name).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                out.append(str(path.relative_to(ROOT)))
+    return out
+
+
 def overlay_links(pristine: Pristine) -> dict[str, Path]:
-    """Package path -> repo path: the topmost fork-only node of each overlay file."""
+    """Site path -> repo path: the topmost fork-only node of each overlay file,
+    and each top-level package of the fork (linked whole)."""
     links: dict[str, Path] = {}
+    for name in TOP_PACKAGES:
+        if not (ROOT / name / "__init__.py").is_file():
+            raise ForkError(f"the fork's package {name}/ is missing from {ROOT}")
+        if pristine.has_dir(name) or pristine.has(f"{name}.py"):
+            raise ForkError(
+                f"{name} is also a top-level name of {pristine.base.dist}=={VERSION}"
+            )
+        links[name] = ROOT / name
     for rel in overlay_files():
         parts = Path(rel).parts
         for depth in range(2, len(parts) + 1):
@@ -453,11 +478,12 @@ def status(site: Path) -> None:
     for p in read_series():
         print(f"  {p.name}: {', '.join(patch_files(p))}")
     for rel in state.get("links", []):
-        print(f"  overlay {rel}")
+        print(f"  {'package' if rel in TOP_PACKAGES else 'overlay'} {rel}")
 
 
 def materialize(base_name: str, out: Path) -> None:
-    """Write the whole forked ``vllm/`` package (plus dist-info) into ``out``.
+    """Write the whole forked ``vllm/`` package (plus dist-info) and the fork's
+    top-level packages (``TOP_PACKAGES``) into ``out``.
 
     The pinned wheel's Python tree with the series applied and the overlay
     copied in (no symlinks), e.g. to carry the fork to a machine without this
@@ -487,9 +513,10 @@ def materialize(base_name: str, out: Path) -> None:
 
 
 def modules() -> None:
-    """Print mypy arguments naming every package/module of the overlay."""
+    """Print mypy arguments naming every package/module of the overlay and of
+    the fork's top-level packages."""
     args = []
-    for rel in overlay_files():
+    for rel in [*overlay_files(), *top_package_files()]:
         if not rel.endswith(".py"):
             continue
         mod = rel[: -len(".py")].replace("/", ".")
@@ -513,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("name")
     n.add_argument("files", nargs="+")
     sub.add_parser("status")
-    sub.add_parser("modules", help="mypy arguments for the overlay's modules")
+    sub.add_parser("modules", help="mypy arguments for the fork's modules")
     m = sub.add_parser("materialize", help="write the forked package tree to DIR")
     m.add_argument("--base", choices=sorted(BASES), default="cuda")
     m.add_argument("out", type=Path)

@@ -2,7 +2,8 @@
 # Build .devcarry/ (git-ignored) for the GPU harness from this checkout:
 #   bash tests/gpu/make_carry.sh
 # - vllm_site.tgz: the fork's tree on the CUDA base (tools/fork.py
-#   materialize --base cuda) with tests/gpu/vllm_pyshim.py;
+#   materialize --base cuda: vllm/ and the fork's top-level packages beside
+#   it, vllm_host_transport) with tests/gpu/vllm_pyshim.py;
 # - base_site.tgz: the pristine vllm 0.32.0 CUDA wheel's tree, the same way;
 # - whl/: the cp312 wheels the device lacks (../shared/tools/gpu/
 #   fetch_wheels.sh, fetched once into .devcarry-wheels/);
@@ -20,8 +21,14 @@ trap 'rm -rf "$STAGE"' EXIT
 [ -d .devcarry-wheels ] || bash "$SHARED/fetch_wheels.sh" .devcarry-wheels
 mkdir -p .devcarry
 .venv/bin/python tools/fork.py materialize --base cuda "$STAGE/fork"
-bash tests/gpu/pack_vllm_carry.sh "$STAGE/fork/vllm" "$WHEEL" "$ROOT/.devcarry" \
-  "$ROOT/.devcarry-wheels"
+# Every top-level package materialize wrote beside vllm/ travels with it.
+EXTRA_PKGS=""
+for d in "$STAGE"/fork/*/; do
+  d=${d%/}
+  case $(basename "$d") in vllm|*.dist-info) ;; *) EXTRA_PKGS="$EXTRA_PKGS $d" ;; esac
+done
+EXTRA_PKGS=$EXTRA_PKGS bash tests/gpu/pack_vllm_carry.sh "$STAGE/fork/vllm" "$WHEEL" \
+  "$ROOT/.devcarry" "$ROOT/.devcarry-wheels"
 mkdir -p "$STAGE/base"
 (cd "$STAGE/base" && unzip -q "$WHEEL" 'vllm/*')
 bash tests/gpu/pack_vllm_carry.sh "$STAGE/base/vllm" "$WHEEL" "$STAGE/base_carry"

@@ -14,6 +14,9 @@
 #                  ready *.dist-info dir
 #   DEST_CARRY_DIR e.g. .devcarry in your checkout (must be git-ignored; carry it)
 #   WHEEL_DIR      cp312 manylinux wheels to carry (default: skip)
+# EXTRA_PKGS (environment, optional): package directories to carry beside
+#   vllm/ at the top of the tree, e.g. the fork's vllm_host_transport (the
+#   artifact store imports it); tests/gpu/make_carry.sh sets it.
 # Adds to the packed copy only: vllm/_C_stable_libtorch.py,
 # vllm/_moe_C_stable_libtorch.py (-> vllm_pyshim.install()),
 # vllm/vllm_flash_attn/_vllm_fa2_C.py (empty, so `import vllm.vllm_flash_attn`
@@ -25,6 +28,11 @@ STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/site"
 cp -a "$SRC" "$STAGE/site/vllm"
+for pkg in ${EXTRA_PKGS:-}; do
+  cp -a "$pkg" "$STAGE/site/$(basename "$pkg")"
+  chmod -R u+w "$STAGE/site/$(basename "$pkg")"
+  find "$STAGE/site/$(basename "$pkg")" -name __pycache__ -prune -exec rm -rf {} +
+done
 chmod -R u+w "$STAGE/site/vllm"
 cd "$STAGE/site"
 # drop compiled artefacts and big non-Python payloads

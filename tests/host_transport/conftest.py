@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from vllm.distributed.host_transport import (
+from vllm_host_transport import (
     HostTransportConfig,
     HostTransportConnector,
 )
-from vllm.distributed.host_transport.discovery import hex_name
+from vllm_host_transport.discovery import hex_name
 
 TINY_RING = 4096
 

@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any
 
-from vllm.distributed.host_transport import (
+from vllm_host_transport import (
     HostTransportConfig,
     HostTransportConnector,
 )
@@ -42,7 +42,7 @@ def put_then_die(scope: str, ring: int, key: str, value: Any) -> None:
 
 
 def die_mid_publication(scope: str, ring: int, key: str) -> None:
-    from vllm.distributed.host_transport import codec
+    from vllm_host_transport import codec
 
     c = conn(scope, ring)
     c.put("p", "c", "warmup", 1)  # the ring exists and is registered
@@ -53,7 +53,7 @@ def die_mid_publication(scope: str, ring: int, key: str) -> None:
 
     codec.EncodedFrame.write_into = partial_write  # type: ignore[method-assign]
     codec.write_frame_to_fd = lambda fd, frame: os._exit(0)  # type: ignore
-    from vllm.distributed.host_transport import perkey
+    from vllm_host_transport import perkey
 
     perkey.write_frame_to_fd = codec.write_frame_to_fd  # type: ignore
     c.put("p", "c", key, {"x": list(range(10))})
@@ -89,7 +89,7 @@ def hold_ring_lock(scope_dir: str, name: str, held, release) -> None:
 
 
 def trainer(scope: str, key: str, out) -> None:
-    from vllm.distributed.host_transport import receive_payload
+    from vllm_host_transport import receive_payload
 
     with conn(scope, 0) as c:
         obj = receive_payload(c, "engine", "trainer", key, timeout_s=20)

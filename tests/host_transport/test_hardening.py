@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from vllm.distributed.host_transport import SCOPE_ENV, HostTransportConnector
-from vllm.distributed.host_transport import connector as connmod
-from vllm.distributed.host_transport import ring as ringmod
-from vllm.distributed.host_transport import sender as sendmod
+from vllm_host_transport import SCOPE_ENV, HostTransportConnector
+from vllm_host_transport import connector as connmod
+from vllm_host_transport import ring as ringmod
+from vllm_host_transport import sender as sendmod
 
 from . import helpers
 from .conftest import TINY_RING, scope_path
@@ -323,7 +323,7 @@ def test_pickled_value_in_a_frame_is_refused(make_conn, monkeypatch):
 
     import msgspec
 
-    from vllm.distributed.host_transport import codec as codecmod
+    from vllm_host_transport import codec as codecmod
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     c = make_conn(TINY_RING)
@@ -340,7 +340,7 @@ def test_pickled_value_in_a_frame_is_refused(make_conn, monkeypatch):
 
 def test_derived_scope_is_announced(monkeypatch, caplog):
     monkeypatch.delenv(SCOPE_ENV, raising=False)
-    with caplog.at_level(logging.INFO, logger=connmod.__name__):
+    with caplog.at_level(logging.INFO, logger=connmod.logger.name):
         c = HostTransportConnector()
     try:
         derived = f"sid-{os.getsid(0)}"

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.distributed.host_transport import (
+from vllm_host_transport import (
     HostTransportConfig,
     HostTransportConnector,
     HostTransportError,
     discovery,
     perkey,
 )
-from vllm.distributed.host_transport import codec as codecmod
-from vllm.distributed.host_transport import ring as ringmod
+from vllm_host_transport import codec as codecmod
+from vllm_host_transport import ring as ringmod
 
 from . import helpers
 from .conftest import TINY_RING, scope_path

@@ -377,7 +377,7 @@ def _resolve_shm_root(cfg: ArtifactConfig) -> None:
     first, is replaced by a fresh private directory next to it (created here,
     in the process that builds the configuration, so that every engine
     process gets it with the configuration) rather than stop the engine."""
-    from vllm.distributed.safe_fs import (
+    from vllm_host_transport.safe_fs import (
         UnsafePathError,
         check_private_shm_dir,
         make_private_shm_dir,

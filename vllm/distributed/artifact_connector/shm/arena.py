@@ -24,7 +24,7 @@ from vllm.distributed.artifact_connector.store import (
     StoreIOError,
     UnsafeStoreError,
 )
-from vllm.distributed.safe_fs import open_private_file
+from vllm_host_transport.safe_fs import open_private_file
 
 ALIGN = 64  # objects and batches start on cache-line boundaries
 

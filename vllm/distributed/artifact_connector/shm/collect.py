@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm.distributed.artifact_connector.store import UnsafeStoreError
-from vllm.distributed.process_identity import ProcessWatch, process_start_ticks
-from vllm.distributed.safe_fs import open_private_dir, open_private_file, shm_subdir
 from vllm.logger import init_logger
+from vllm_host_transport.process_identity import ProcessWatch, process_start_ticks
+from vllm_host_transport.safe_fs import open_private_dir, open_private_file, shm_subdir
 
 logger = init_logger(__name__)
 

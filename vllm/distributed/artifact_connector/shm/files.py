@@ -25,13 +25,13 @@ from vllm.distributed.artifact_connector.store import (
     StoreIOError,
     UnsafeStoreError,
 )
-from vllm.distributed.safe_fs import (
+from vllm.logger import init_logger
+from vllm_host_transport.safe_fs import (
     ensure_private_shm_dir,
     open_private_dir,
     open_private_file,
     write_all,
 )
-from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -33,7 +33,7 @@ from vllm.distributed.artifact_connector.store import (
     UnsafeStoreError,
     checksum,
 )
-from vllm.distributed.safe_fs import open_private_dir, open_private_file, shm_subdir
+from vllm_host_transport.safe_fs import open_private_dir, open_private_file, shm_subdir
 
 
 class ShmStoreReader(ObjectStoreReader):

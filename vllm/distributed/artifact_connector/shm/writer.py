@@ -77,8 +77,8 @@ from vllm.distributed.artifact_connector.store import (
     checksum,
     keys_to_bytes,
 )
-from vllm.distributed.safe_fs import ensure_private_shm_dir
 from vllm.logger import init_logger
+from vllm_host_transport.safe_fs import ensure_private_shm_dir
 
 logger = init_logger(__name__)
 

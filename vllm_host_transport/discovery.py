@@ -14,8 +14,8 @@ import sys
 import threading
 import time
 
-from vllm.distributed.process_identity import process_start_ticks
-from vllm.distributed.safe_fs import open_private_dir, open_private_file
+from vllm_host_transport.process_identity import process_start_ticks
+from vllm_host_transport.safe_fs import open_private_dir, open_private_file
 
 STAMP_FILE = "stamp"
 STAMP_SIZE = 4096

@@ -17,22 +17,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.host_transport import perkey
-from vllm.distributed.host_transport import ring as ringmod
-from vllm.distributed.host_transport import shared as _pid
-from vllm.distributed.host_transport.codec import (
+from vllm_host_transport import perkey
+from vllm_host_transport import ring as ringmod
+from vllm_host_transport import shared as _pid
+from vllm_host_transport.codec import (
     EncodedFrame,
     FrameCodec,
     PayloadTooLarge,
     RawFrame,
 )
-from vllm.distributed.host_transport.discovery import HostTransportError, ScopeDir
-from vllm.distributed.host_transport.shared import Shared
-from vllm.distributed.host_transport.shared import edge_hex as _edge_hex
-from vllm.distributed.host_transport.shared import key_hash as _key_hash
-from vllm.distributed.host_transport.shared import seg_name as _seg_name
+from vllm_host_transport.discovery import HostTransportError, ScopeDir
+from vllm_host_transport.shared import Shared
+from vllm_host_transport.shared import edge_hex as _edge_hex
+from vllm_host_transport.shared import key_hash as _key_hash
+from vllm_host_transport.shared import seg_name as _seg_name
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's "vllm" logger (a name only: nothing is imported), so in a
+# vLLM process these lines go where vLLM's own go.
+logger = logging.getLogger("vllm.host_transport.sender")
 
 _MAX_TRACKED_KEYS = 1 << 16
 _BUSY = object()  # a retire found its lock busy

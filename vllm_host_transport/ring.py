@@ -57,7 +57,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vllm.distributed.host_transport.codec import CorruptFrame, EncodedFrame, RawFrame
+from vllm_host_transport.codec import CorruptFrame, EncodedFrame, RawFrame
 
 RING_MAGIC = 0x31474E4952544856  # "VHTRING1"
 RING_VERSION = 2

@@ -12,7 +12,7 @@ A process next to the engine (for example a trainer) that knows the
 deployment scope, the edge and the key of a finished request can take its
 payload::
 
-    from vllm.distributed.host_transport import (
+    from vllm_host_transport import (
         HostTransportConfig, HostTransportConnector, receive_payload)
 
     with HostTransportConnector(HostTransportConfig(scope="job-42")) as conn:
@@ -32,25 +32,25 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.host_transport import perkey
-from vllm.distributed.host_transport import ring as ringmod
-from vllm.distributed.host_transport import shared as _pid
-from vllm.distributed.host_transport.codec import FrameCodec
-from vllm.distributed.host_transport.discovery import (
+from vllm_host_transport import perkey
+from vllm_host_transport import ring as ringmod
+from vllm_host_transport import shared as _pid
+from vllm_host_transport.codec import FrameCodec
+from vllm_host_transport.discovery import (
     Q_PK_TOKEN,
     Q_STAMP,
     RING_NAME_RE,
     HostTransportError,
     ScopeDir,
 )
-from vllm.distributed.host_transport.shared import Shared
-from vllm.distributed.host_transport.shared import edge_hex as _edge_hex
-from vllm.distributed.host_transport.shared import key_hash as _key_hash
-from vllm.distributed.host_transport.shared import seg_name as _seg_name
-from vllm.distributed.process_identity import ProcessWatch
+from vllm_host_transport.process_identity import ProcessWatch
+from vllm_host_transport.shared import Shared
+from vllm_host_transport.shared import edge_hex as _edge_hex
+from vllm_host_transport.shared import key_hash as _key_hash
+from vllm_host_transport.shared import seg_name as _seg_name
 
 if TYPE_CHECKING:
-    from vllm.distributed.host_transport.connector import HostTransportConnector
+    from vllm_host_transport.connector import HostTransportConnector
 
 _MAX_MISSED = 4096
 

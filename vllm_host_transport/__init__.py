@@ -6,21 +6,21 @@ shared memory (a bounded per-edge host ring plus per-key segments).
 Linux only. See ``docs/design/host_transport.md``.
 """
 
-from vllm.distributed.host_transport.codec import (
+from vllm_host_transport.codec import (
     CorruptFrame,
     FrameCodec,
     PayloadTooLarge,
 )
-from vllm.distributed.host_transport.config import (
+from vllm_host_transport.config import (
     DEFAULT_HOST_RING_BYTES,
     MAX_HOST_RING_BYTES,
     MIN_HOST_RING_BYTES,
     SCOPE_ENV,
     HostTransportConfig,
 )
-from vllm.distributed.host_transport.connector import HostTransportConnector
-from vllm.distributed.host_transport.discovery import HostTransportError
-from vllm.distributed.host_transport.receiver import receive_payload
+from vllm_host_transport.connector import HostTransportConnector
+from vllm_host_transport.discovery import HostTransportError
+from vllm_host_transport.receiver import receive_payload
 
 __all__ = [
     "CorruptFrame",

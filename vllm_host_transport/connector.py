@@ -25,19 +25,21 @@ import logging
 import os
 from typing import Any
 
-from vllm.distributed.host_transport import ring as ringmod
-from vllm.distributed.host_transport.config import SCOPE_ENV, HostTransportConfig
-from vllm.distributed.host_transport.discovery import (
+from vllm_host_transport import ring as ringmod
+from vllm_host_transport.config import SCOPE_ENV, HostTransportConfig
+from vllm_host_transport.discovery import (
     HostTransportError,
     ScopeDir,
     check_platform,
     self_identity,
 )
-from vllm.distributed.host_transport.receiver import Receiver
-from vllm.distributed.host_transport.sender import Sender
-from vllm.distributed.host_transport.shared import Shared
+from vllm_host_transport.receiver import Receiver
+from vllm_host_transport.sender import Sender
+from vllm_host_transport.shared import Shared
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's "vllm" logger (a name only: nothing is imported), so in a
+# vLLM process these lines go where vLLM's own go.
+logger = logging.getLogger("vllm.host_transport.connector")
 
 
 class HostTransportConnector:

@@ -26,13 +26,13 @@ import struct
 import time
 from typing import Any
 
-from vllm.distributed.host_transport.codec import (
+from vllm_host_transport.codec import (
     CorruptFrame,
     EncodedFrame,
     RawFrame,
     write_frame_to_fd,
 )
-from vllm.distributed.host_transport.discovery import producer_alive
+from vllm_host_transport.discovery import producer_alive
 
 SEG_MAGIC = b"VHTSEG01"
 SEG_HEADER = struct.Struct("<8sQQ16s")

@@ -10,8 +10,8 @@ import hashlib
 import os
 from typing import Any
 
-from vllm.distributed.host_transport.config import HostTransportConfig
-from vllm.distributed.host_transport.discovery import (
+from vllm_host_transport.config import HostTransportConfig
+from vllm_host_transport.discovery import (
     HostTransportError,
     ScopeDir,
     hex_name,
