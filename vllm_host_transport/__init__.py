@@ -3,6 +3,12 @@
 """Same-node host transport: hand payloads between processes by key through
 shared memory (a bounded per-edge host ring plus per-key segments).
 
+A top-level package, not under ``vllm``: it imports neither vLLM nor torch
+(numpy and msgspec only; torch when a tensor is met, vLLM for payloads only
+its serializer can carry), so a process without vLLM, or with another version
+of it (a trainer on the node), takes payloads through it. The artifact store
+uses its ``safe_fs`` and ``process_identity``.
+
 Linux only. See ``docs/design/host_transport.md``.
 """
 

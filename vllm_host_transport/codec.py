@@ -26,6 +26,14 @@ On receipt, the small area is copied into one owned ``bytearray`` that all
 small leaves share, and every leaf of ``large_leaf_bytes`` or more is copied
 into an allocation of its own, so keeping small metadata alive never pins a
 large hidden state. Nothing returned refers to shared memory.
+
+Neither torch nor vLLM is imported with this module, so a process without
+them (a trainer with numpy only) can send and receive numpy, struct and plain
+payloads. torch is imported when a frame that holds tensors is decoded, and
+its tables are filled when this process first encodes a tensor (a value can
+only be a tensor once its process imported torch: ``sys.modules`` says so,
+nothing is imported to find out). vLLM is imported only for a ``KIND_SERIAL``
+frame; without it such a payload is refused with an error naming its type.
 """
 
 from __future__ import annotations
@@ -33,14 +41,15 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import sys
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import numpy as np
-import torch
 
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"HTF1"
 KIND_TFRAME = 1
@@ -96,35 +105,81 @@ class _DtypeNames(dict):
 
 
 _DTYPE_NAMES = _DtypeNames()
+_TDICT_MAX_ENTRIES = 64
+
+# The torch tables, filled by _load_torch() the first time this process
+# encodes or decodes a tensor; until then _Tensor is None (and
+# ``type(x) is _Tensor`` is false for every x).
+_torch: Any = None  # the torch module
+_Tensor: Any = None  # torch.Tensor
+_STRIDED: Any = None  # torch.strided
 # Every CPU dtype a frame may name, by name (decoding never calls getattr on
 # the torch module with a name read from shared memory).
-_DTYPES_BY_NAME: dict[str, torch.dtype] = {
-    _DTYPE_NAMES[d]: d
-    for d in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
-        torch.int64, torch.float16, torch.bfloat16, torch.float32,
-        torch.float64, torch.complex64, torch.complex128,
-    )
-}  # fmt: skip
-for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
-    _d = getattr(torch, _name, None)
-    if isinstance(_d, torch.dtype):
-        _DTYPES_BY_NAME[_name] = _d
-_TDICT_MAX_ENTRIES = 64
-_STRIDED = torch.strided
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {}
 # dtypes numpy can view directly (no torch-side reinterpretation needed).
-_NUMPY_OK = frozenset(
-    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-    | {torch.float16, torch.float32, torch.float64, torch.complex64}
-    | {torch.complex128}
-)
+_NUMPY_OK: frozenset[torch.dtype] = frozenset()
+
+
+def _load_torch() -> Any:
+    """Import torch, fill the tables above and return ``torch.Tensor``.
+    Idempotent; ``_Tensor`` is set last, so a thread that sees it set sees
+    every table filled."""
+    global _torch, _STRIDED, _DTYPES_BY_NAME, _NUMPY_OK, _Tensor
+    import torch
+
+    by_name = {
+        _DTYPE_NAMES[d]: d
+        for d in (
+            torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+            torch.int64, torch.float16, torch.bfloat16, torch.float32,
+            torch.float64, torch.complex64, torch.complex128,
+        )
+    }  # fmt: skip
+    for name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+        d = getattr(torch, name, None)
+        if isinstance(d, torch.dtype):
+            by_name[name] = d
+    _torch = torch
+    _STRIDED = torch.strided
+    _DTYPES_BY_NAME = by_name
+    _NUMPY_OK = frozenset(
+        {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32}
+        | {torch.int64, torch.float16, torch.float32, torch.float64}
+        | {torch.complex64, torch.complex128}
+    )
+    _Tensor = torch.Tensor
+    return _Tensor
+
+
+def _tensor_type() -> Any:
+    """``torch.Tensor`` if this process has imported torch, else ``None``.
+    Never imports torch: without it in ``sys.modules`` no value is a tensor."""
+    if _Tensor is not None:
+        return _Tensor
+    if sys.modules.get("torch") is None:  # not imported (or blocked)
+        return None
+    return _load_torch()
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """The dtypes by name, for decoding a frame that holds tensors (imports
+    torch, which such a frame needs)."""
+    if _Tensor is None:
+        try:
+            _load_torch()
+        except ImportError as e:
+            raise CorruptFrame(
+                f"the frame holds torch tensors and torch is not importable "
+                f"in this process ({e})"
+            ) from e
+    return _DTYPES_BY_NAME
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous, conj/neg-resolved CPU tensor (no copy)."""
     if t.dtype in _NUMPY_OK:
         return t.numpy().data.cast("B")
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    return t.reshape(-1).view(_torch.uint8).numpy().data
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +194,6 @@ def _materialize(t: torch.Tensor) -> torch.Tensor:
 
 
 _memmove = ctypes.memmove
-_Tensor = torch.Tensor
 # A region's source: a byte memoryview, or (tensor-dict frames) a contiguous
 # CPU tensor that is copied by address.
 Region = tuple[int, Any]
@@ -298,7 +352,8 @@ class _TreeWalker:
             return {k: self.walk(v) for k, v in obj.items()}
         if t is list or t is tuple:
             return [self.walk(v) for v in obj]
-        if isinstance(obj, torch.Tensor):
+        tensor = _Tensor if _Tensor is not None else _tensor_type()
+        if tensor is not None and isinstance(obj, tensor):
             return self._tensor(obj)
         if isinstance(obj, np.ndarray):
             return self._ndarray(obj)
@@ -309,7 +364,7 @@ class _TreeWalker:
         raise _Unsupported(t)
 
     def _tensor(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
-        if not t.is_cpu or t.layout != torch.strided:
+        if not t.is_cpu or t.layout != _STRIDED:
             raise _Unsupported(type(t))
         dtype = t.dtype
         nbytes = t.numel() * dtype.itemsize
@@ -348,64 +403,80 @@ class _TreeWalker:
         return msgspec.msgpack.Ext(EXT_STRUCT, self.meta.encode((path, fields)))
 
 
-class _SerialEncoder(MsgpackEncoder):
-    """vLLM's ordinary serializer, with tensors, arrays and images tagged so an
-    untyped receiver can rebuild them. Buffers of every array go out of band."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(size_threshold=256)
-        self.limit = limit
-        self._inner = msgspec.msgpack.Encoder()
-
-    def enc_hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            nbytes = obj.numel() * obj.element_size()
-            if nbytes > self.limit:
-                raise PayloadTooLarge(f"tensor of {nbytes} bytes is too large")
-            enc = self._encode_tensor(_materialize(obj))
-            return msgspec.msgpack.Ext(EXT_SER_TENSOR, self._inner.encode(enc))
-        if isinstance(obj, np.ndarray) and obj.dtype.kind not in ("O", "V"):
-            if obj.nbytes > self.limit:
-                raise PayloadTooLarge(f"array of {obj.nbytes} bytes is too large")
-            enc = self._encode_ndarray(obj)
-            return msgspec.msgpack.Ext(EXT_SER_NDARRAY, self._inner.encode(enc))
-        if _is_pil_image(obj):
-            arr = np.asarray(obj)
-            enc = self._encode_ndarray(arr)
-            payload = (obj.mode, tuple(obj.size), enc)
-            return msgspec.msgpack.Ext(EXT_SER_IMAGE, self._inner.encode(payload))
-        return super().enc_hook(obj)
+_SERIAL_CLASSES: tuple[type[Any], type[Any]] | None = None
 
 
-class _SerialDecoder(MsgpackDecoder):
-    """Decoder matching :class:`_SerialEncoder`; unknown extension values are
-    returned as ``msgspec.msgpack.Ext`` so user extensions survive."""
+def _serial_classes() -> tuple[type[Any], type[Any]]:
+    """``(_SerialEncoder, _SerialDecoder)``: vLLM's ordinary serializer with
+    the transport's extensions, made (importing vLLM, and so torch) the first
+    time a payload needs the ``KIND_SERIAL`` fallback. Raises ``ImportError``
+    where vLLM is not importable."""
+    global _SERIAL_CLASSES
+    if _SERIAL_CLASSES is not None:
+        return _SERIAL_CLASSES
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    def __init__(self) -> None:
-        super().__init__(share_mem=True)
-        self._inner = msgspec.msgpack.Decoder(ext_hook=self.ext_hook)
+    class _SerialEncoder(MsgpackEncoder):
+        """vLLM's ordinary serializer, with tensors, arrays and images tagged so an
+        untyped receiver can rebuild them. Buffers of every array go out of band."""
 
-    def ext_hook(self, code: int, data: memoryview) -> Any:
-        if code == EXT_SER_TENSOR:
-            return self._decode_tensor(self._inner.decode(data))
-        if code == EXT_SER_NDARRAY:
-            arr = self._decode_ndarray(self._inner.decode(data))
-            arr.flags.writeable = False
-            return arr
-        if code == EXT_SER_IMAGE:
-            from PIL import Image
+        def __init__(self, limit: int) -> None:
+            super().__init__(size_threshold=256)
+            self.limit = limit
+            self._inner = msgspec.msgpack.Encoder()
 
-            mode, size, enc = self._inner.decode(data)
-            arr = self._decode_ndarray(enc)
-            img = Image.fromarray(np.array(arr))
-            return img if img.mode == mode else img.convert(mode)
-        if code == _SER_RAW_VIEW:
-            return super().ext_hook(code, data)
-        if code in _SER_PICKLE:
-            # Never unpickle what another process left in shared memory, even
-            # where VLLM_ALLOW_INSECURE_SERIALIZATION is set.
-            raise CorruptFrame("pickled values are not accepted from shared memory")
-        return msgspec.msgpack.Ext(code, bytes(data))
+        def enc_hook(self, obj: Any) -> Any:
+            tensor = _tensor_type()  # vllm imported torch
+            if tensor is not None and isinstance(obj, tensor):
+                nbytes = obj.numel() * obj.element_size()
+                if nbytes > self.limit:
+                    raise PayloadTooLarge(f"tensor of {nbytes} bytes is too large")
+                enc = self._encode_tensor(_materialize(obj))
+                return msgspec.msgpack.Ext(EXT_SER_TENSOR, self._inner.encode(enc))
+            if isinstance(obj, np.ndarray) and obj.dtype.kind not in ("O", "V"):
+                if obj.nbytes > self.limit:
+                    raise PayloadTooLarge(f"array of {obj.nbytes} bytes is too large")
+                enc = self._encode_ndarray(obj)
+                return msgspec.msgpack.Ext(EXT_SER_NDARRAY, self._inner.encode(enc))
+            if _is_pil_image(obj):
+                arr = np.asarray(obj)
+                enc = self._encode_ndarray(arr)
+                payload = (obj.mode, tuple(obj.size), enc)
+                return msgspec.msgpack.Ext(EXT_SER_IMAGE, self._inner.encode(payload))
+            return super().enc_hook(obj)
+
+    class _SerialDecoder(MsgpackDecoder):
+        """Decoder matching :class:`_SerialEncoder`; unknown extension values are
+        returned as ``msgspec.msgpack.Ext`` so user extensions survive."""
+
+        def __init__(self) -> None:
+            super().__init__(share_mem=True)
+            self._inner = msgspec.msgpack.Decoder(ext_hook=self.ext_hook)
+
+        def ext_hook(self, code: int, data: memoryview) -> Any:
+            if code == EXT_SER_TENSOR:
+                return self._decode_tensor(self._inner.decode(data))
+            if code == EXT_SER_NDARRAY:
+                arr = self._decode_ndarray(self._inner.decode(data))
+                arr.flags.writeable = False
+                return arr
+            if code == EXT_SER_IMAGE:
+                from PIL import Image
+
+                mode, size, enc = self._inner.decode(data)
+                arr = self._decode_ndarray(enc)
+                img = Image.fromarray(np.array(arr))
+                return img if img.mode == mode else img.convert(mode)
+            if code == _SER_RAW_VIEW:
+                return super().ext_hook(code, data)
+            if code in _SER_PICKLE:
+                # Never unpickle what another process left in shared memory, even
+                # where VLLM_ALLOW_INSECURE_SERIALIZATION is set.
+                raise CorruptFrame("pickled values are not accepted from shared memory")
+            return msgspec.msgpack.Ext(code, bytes(data))
+
+    _SERIAL_CLASSES = (_SerialEncoder, _SerialDecoder)
+    return _SERIAL_CLASSES
 
 
 def _is_pil_image(obj: Any) -> bool:
@@ -435,8 +506,8 @@ class FrameCodec:
         self._header_enc = msgspec.msgpack.Encoder()
         self._header_dec = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
         self._meta_dec = msgspec.msgpack.Decoder()
-        self._serial_enc: _SerialEncoder | None = None
-        self._serial_dec: _SerialDecoder | None = None
+        self._serial_enc: Any = None  # _serial_classes()[0], made on first use
+        self._serial_dec: Any = None
         self.serial_fallbacks = 0
         # The struct classes a frame may name (receiving side): looked up by
         # name, never imported.
@@ -461,8 +532,8 @@ class FrameCodec:
         try:
             tree = walker.walk(obj)
             header = self._header_enc.encode(tree)
-        except _Unsupported:
-            return self._encode_serial(obj)
+        except _Unsupported as e:
+            return self._encode_serial(obj, e.args[0])
         except (TypeError, OverflowError, msgspec.EncodeError):
             return self._encode_serial(obj)
         return EncodedFrame(
@@ -480,6 +551,9 @@ class FrameCodec:
         n = len(obj)
         if n == 0 or n > _TDICT_MAX_ENTRIES:
             return None
+        tensor = _Tensor if _Tensor is not None else _tensor_type()
+        if tensor is None:
+            return None  # no torch in this process: no value is a tensor
         items: list[Any] = []
         small: list[Region] = []
         large: list[Region] = []
@@ -487,7 +561,7 @@ class FrameCodec:
         limit = self.limit
         large_leaf = self.large_leaf_bytes
         for k, t in obj.items():
-            if type(k) is not str or type(t) is not torch.Tensor:
+            if type(k) is not str or type(t) is not tensor:
                 return None
             if (
                 not t.is_cpu
@@ -520,9 +594,23 @@ class FrameCodec:
         header = self._header_enc.encode(items)
         return EncodedFrame(KIND_TDICT, header, small, large, small_total, large_total)
 
-    def _encode_serial(self, obj: Any) -> EncodedFrame:
+    def _encode_serial(self, obj: Any, unsupported: type | None = None) -> EncodedFrame:
+        """``obj`` through vLLM's serializer (``unsupported``: the type of the
+        value the tree walk could not express, when it found one)."""
         if self._serial_enc is None:
-            self._serial_enc = _SerialEncoder(self.limit)
+            try:
+                encoder_cls = _serial_classes()[0]
+            except ImportError as e:
+                inner = ""
+                if unsupported is not None and unsupported is not type(obj):
+                    inner = f" (it holds a value of type {unsupported})"
+                raise TypeError(
+                    f"payload of type {type(obj)}{inner} needs vLLM's serializer "
+                    f"(KIND_SERIAL: not a tree of tensors, arrays, structs and "
+                    f"msgpack values), and vllm is not importable in this "
+                    f"process ({e})"
+                ) from e
+            self._serial_enc = encoder_cls(self.limit)
         try:
             bufs = self._serial_enc.encode(obj)
         except PayloadTooLarge:
@@ -610,10 +698,11 @@ class FrameCodec:
         items = self._meta_dec.decode(hb)
         if type(items) is not list or not items or len(items) % 6:
             raise CorruptFrame("bad tensor-dict header")
+        dtypes = _DTYPES_BY_NAME or _torch_dtypes()
         entries = []
         for i in range(0, len(items), 6):
             key, dtype_name, shape, area, off, nbytes = items[i : i + 6]
-            dtype = _DTYPES_BY_NAME.get(dtype_name) if type(dtype_name) is str else None
+            dtype = dtypes.get(dtype_name) if type(dtype_name) is str else None
             if dtype is None or type(key) is not str or type(shape) is not list:
                 raise CorruptFrame("bad tensor-dict entry")
             numel = 1
@@ -652,7 +741,7 @@ class FrameCodec:
         n_small = len(small)
         n_src = len(src)
         out: dict[str, torch.Tensor] = {}
-        frombuffer = torch.frombuffer
+        frombuffer = _torch.frombuffer  # loaded: the entries named its dtypes
         for key, dtype, shape, area, off, nbytes, numel in entries:
             if area == 0:
                 if off + nbytes > n_small:
@@ -682,7 +771,14 @@ class FrameCodec:
         if not bufs:
             raise CorruptFrame("empty serializer frame")
         if self._serial_dec is None:
-            self._serial_dec = _SerialDecoder()
+            try:
+                decoder_cls = _serial_classes()[1]
+            except ImportError as e:
+                raise CorruptFrame(
+                    f"the frame was encoded by vLLM's serializer (KIND_SERIAL) "
+                    f"and vllm is not importable in this process ({e})"
+                ) from e
+            self._serial_dec = decoder_cls()
         return self._serial_dec.decode(bufs)
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
@@ -709,7 +805,8 @@ class FrameCodec:
 
     def _decode_tensor(self, data: memoryview) -> torch.Tensor:
         dtype_name, shape, area, off, nbytes = self._meta_dec.decode(data)
-        dtype = _DTYPES_BY_NAME.get(dtype_name) if type(dtype_name) is str else None
+        dtypes = _DTYPES_BY_NAME or _torch_dtypes()
+        dtype = dtypes.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise CorruptFrame(f"unknown dtype {dtype_name!r}")
         numel = 1
@@ -719,13 +816,15 @@ class FrameCodec:
         if numel * itemsize != nbytes:
             raise CorruptFrame("tensor size does not match its shape")
         if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
+            return _torch.empty(shape, dtype=dtype)
         buf, s = self._region(area, off, nbytes)
         if area == 0:
-            return torch.frombuffer(buf, dtype=dtype, count=numel, offset=s).view(shape)
+            return _torch.frombuffer(buf, dtype=dtype, count=numel, offset=s).view(
+                shape
+            )
         # A large leaf gets an owned allocation of its own.
         own = bytearray(buf[s : s + nbytes])
-        return torch.frombuffer(own, dtype=dtype, count=numel).view(shape)
+        return _torch.frombuffer(own, dtype=dtype, count=numel).view(shape)
 
     def _decode_ndarray(self, data: memoryview) -> np.ndarray:
         dtype_str, shape, area, off, nbytes = self._meta_dec.decode(data)

@@ -329,7 +329,7 @@ def test_pickled_value_in_a_frame_is_refused(make_conn, monkeypatch):
     c = make_conn(TINY_RING)
     pickled = msgspec.msgpack.Ext(1, pickle.dumps({"unpickled": True}))
     monkeypatch.setattr(
-        codecmod._SerialEncoder,
+        codecmod._serial_classes()[0],  # the serializer's encoder class
         "encode",
         lambda self, obj: [msgspec.msgpack.encode(pickled)],
     )
