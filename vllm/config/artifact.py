@@ -50,6 +50,12 @@ MODELS_WITHOUT_PREFIX_CACHING = {
 }
 
 
+# Routes handed out by reference that may wait unfetched: 4 GiB (about 320
+# responses of 32k tokens of a 48-layer top-8 model), for 10 minutes.
+DEFAULT_REF_MAX_BYTES = 4 << 30
+DEFAULT_REF_TTL_S = 600.0
+
+
 def default_shm_root() -> str:
     return f"/dev/shm/vllm-artifacts-{os.geteuid()}"
 
@@ -87,6 +93,30 @@ class ArtifactConfig:
     routed_experts_dtype: RoutedExpertsDtype = "auto"
     """dtype of the returned expert IDs: ``auto`` is uint8 up to 256 experts,
     else int16; ``uint16`` matches upstream vLLM's R3; ``int32``."""
+
+    routed_experts_format: Literal["inline", "ref"] = "inline"
+    """How finished requests return their routes unless a request chooses
+    (its own ``routed_experts_format``): ``inline``, the array in the
+    response (base64 ``.npy`` over HTTP, ``CompletionOutput.routed_experts``
+    offline); ``ref``, a ``routed_experts_ref`` naming the array in this
+    node's host transport, for a process of the same user to take with
+    ``vllm_host_transport.routed_experts.fetch`` (the array never passes
+    through the API server)."""
+
+    ref_scope: str | None = None
+    """Host-transport scope references are handed out in; the consumer needs
+    nothing but the reference (it names the scope). ``None``: the
+    ``VLLM_HOST_TRANSPORT_SCOPE`` environment variable, else one derived from
+    this engine's login session."""
+
+    ref_max_bytes: int = Field(default=DEFAULT_REF_MAX_BYTES, gt=0)
+    """Bytes of routes that may wait unfetched in the host transport; the
+    oldest are removed beyond it (their ``fetch`` then fails with
+    ``RouteRefMissingError``)."""
+
+    ref_ttl_s: float = Field(default=DEFAULT_REF_TTL_S, gt=0)
+    """Seconds a reference's routes wait to be fetched before they are
+    removed."""
 
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     """Identifies this engine's store. Generated: a fresh one is drawn for

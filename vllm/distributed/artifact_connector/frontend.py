@@ -28,6 +28,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from vllm.distributed.artifact_connector.protocol import ACK_TIMEOUT_S
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
@@ -201,11 +203,17 @@ def finish_pending(req_state: RequestState, output: EngineCoreOutput) -> bool:
         output.stop_reason = req_state.pending_stop
     else:  # no routes: fail like any other finish whose routes failed
         output.finish_reason = FinishReason.ERROR
+    # Every token the engine executed reached the frontend before this
+    # output, so the routes end num_past rows after the returned tokens.
     if output.routed_experts is not None:
-        # Every token the engine executed reached the frontend before this
-        # output, so the routes end num_past rows after the returned tokens.
         keep = max(0, len(output.routed_experts) - num_past)
         output.routed_experts = output.routed_experts[:keep]
+    ref = output.routed_experts_ref
+    if ref is not None:  # the stored array stays whole; fetch returns these
+        rows, layers, top_k = ref.shape
+        output.routed_experts_ref = msgspec.structs.replace(
+            ref, shape=(max(0, rows - num_past), layers, top_k)
+        )
     req_state.pending_stop = None
     req_state.pending_abort_deadline = None
     return True

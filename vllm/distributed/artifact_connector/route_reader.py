@@ -10,14 +10,18 @@ store reader and reads whatever is queued together (:func:`read_batch`:
 one index lookup, envelope check and copy pass for all of them), in
 batches of about :data:`BATCH_OBJECTS` objects (a longer request is read in
 runs of that many), yielding the interpreter between batches and runs so
-that the engine thread never waits long for it.
+that the engine thread never waits long for it. A read that asks for a
+reference hands its array to :class:`~.route_refs.RouteRefs` (made on the
+first such read) and returns the reference instead.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,12 +30,18 @@ from vllm.distributed.artifact_connector.store import ArtifactError, ObjectStore
 from vllm.logger import init_logger
 from vllm.utils.routed_experts_rows import RowSpec
 
+if TYPE_CHECKING:
+    from vllm.distributed.artifact_connector.route_refs import RouteRefs
+    from vllm_host_transport.routed_experts import RoutedExpertsRef
+
 logger = init_logger(__name__)
 
 #: Objects per batch read: about 0.3 ms of the reader's Python on the
 #: 2-vCPU VM (docs/benchmarks.md, "scheduler read"), the longest the engine
 #: thread can wait for the interpreter because of a read.
 BATCH_OBJECTS = 256
+#: How often an idle reader removes references' routes past their TTL.
+REF_UPKEEP_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +52,8 @@ class RouteRead:
     attempt: int
     read: RowsRead
     end: int
+    # Hand the rows out by reference (routed_experts_format "ref").
+    as_ref: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +63,7 @@ class RouteResult:
     rows: np.ndarray | None
     error: str | None
     seconds: float  # the read's share of its batch's reader time
+    ref: RoutedExpertsRef | None = None
 
 
 class RouteReader:
@@ -58,9 +71,17 @@ class RouteReader:
     :meth:`wait_done` and :meth:`close` are called by one thread (the
     engine's)."""
 
-    def __init__(self, reader: ObjectStoreReader, spec: RowSpec) -> None:
+    def __init__(
+        self,
+        reader: ObjectStoreReader,
+        spec: RowSpec,
+        make_refs: Callable[[], RouteRefs] | None = None,
+    ) -> None:
         self._reader = reader
         self._spec = spec
+        # Reader thread: references, made on the first read that asks.
+        self._make_refs = make_refs
+        self.refs: RouteRefs | None = None
         self._cv = threading.Condition()
         self._queued: list[RouteRead] = []
         self._done: list[RouteResult] = []
@@ -115,6 +136,8 @@ class RouteReader:
             self._cv.notify_all()
         self._thread.join(timeout=30)
         self._reader.close()
+        if self.refs is not None:
+            self.refs.close()
 
     # ------------------------------------------------------------ thread
     def _run(self) -> None:
@@ -122,11 +145,15 @@ class RouteReader:
         try:
             while True:
                 with self._cv:
-                    while not self._queued and not self._stop:
-                        self._cv.wait()
+                    if not self._queued and not self._stop:
+                        self._cv.wait(REF_UPKEEP_S)
                     if self._stop:
                         return
-                    batch = self._take_batch()
+                    batch = self._take_batch() if self._queued else []
+                if not batch:  # idle: remove unfetched routes past their TTL
+                    if self.refs is not None:
+                        self.refs.expire()
+                    continue
                 results = self._read(batch)
                 batch = []
                 with self._cv:
@@ -176,7 +203,26 @@ class RouteReader:
                 logger.warning("routes of request %s unreadable: %s", r.req_id, rows)
                 error = f"{type(rows).__name__}: {rows}"
                 results.append(RouteResult(r.req_id, r.attempt, None, error, share))
-            else:
-                cut = rows[: r.end - r.read.first_row]
+                continue
+            cut = rows[: r.end - r.read.first_row]
+            if not r.as_ref:
                 results.append(RouteResult(r.req_id, r.attempt, cut, None, share))
+                continue
+            try:
+                ref = self._route_refs().publish(cut, r.read.first_row)
+            except ArtifactError as e:
+                logger.warning("routes of request %s not handed out: %s", r.req_id, e)
+                error = f"{type(e).__name__}: {e}"
+                results.append(RouteResult(r.req_id, r.attempt, None, error, share))
+            else:
+                results.append(RouteResult(r.req_id, r.attempt, None, None, share, ref))
         return results
+
+    def _route_refs(self) -> RouteRefs:
+        if self.refs is None:
+            if self._make_refs is None:
+                raise ArtifactError(
+                    "this engine hands out no routed-experts references"
+                )
+            self.refs = self._make_refs()  # raises RouteRefPublishError
+        return self.refs

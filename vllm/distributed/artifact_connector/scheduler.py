@@ -49,6 +49,7 @@ from vllm.distributed.artifact_connector.request_core import (
     tail_block_hash,
 )
 from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
+from vllm.distributed.artifact_connector.route_refs import RouteRefs
 from vllm.distributed.artifact_connector.shm import ShmStoreReader
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.engine import EngineCoreOutput
     from vllm.v1.request import Request
+    from vllm_host_transport.routed_experts import RoutedExpertsRef
 
 logger = init_logger(__name__)
 
@@ -104,6 +106,8 @@ class _Record:
     error: str | None = None
     # Whether a caller waits for routes (False after a client-gone abort).
     routes_wanted: bool = True
+    # Routes go out by reference (routed_experts_format "ref").
+    as_ref: bool = False
     # FINISHING: the finalised attempt, the boundary, the held output.
     finalized: int = 0
     num_rows: int = 0
@@ -167,7 +171,12 @@ class ArtifactSchedulerConnector:
         )
         namespace = cfg.namespace(vllm_config.parallel_config.data_parallel_rank)
         # The workers (and the store's writer) exist before the scheduler.
-        self._reads = RouteReader(ShmStoreReader(cfg.shm_root, namespace), self.spec)
+        self._default_format = cfg.routed_experts_format
+        self._reads = RouteReader(
+            ShmStoreReader(cfg.shm_root, namespace),
+            self.spec,
+            lambda: RouteRefs(cfg.ref_scope, cfg.ref_max_bytes, cfg.ref_ttl_s),
+        )
         self._step_empty = False
         self._records: dict[str, _Record] = {}
         # Where blocks whose routes are lost are dropped from the prefix
@@ -193,8 +202,13 @@ class ArtifactSchedulerConnector:
             request = requests[new.req_id]
             record = self._records.get(new.req_id)
             if record is None:
+                fmt = (
+                    request.sampling_params.routed_experts_format
+                    if request.sampling_params is not None
+                    else None
+                ) or self._default_format
                 record = self._records[new.req_id] = _Record(
-                    new.req_id, request.client_index
+                    new.req_id, request.client_index, as_ref=fmt == "ref"
                 )
             self._start_attempt(record, request, new.num_computed_tokens)
         self._step_empty = scheduler_output.total_num_scheduled_tokens == 0
@@ -472,6 +486,7 @@ class ArtifactSchedulerConnector:
                         ack.attempt,
                         RowsRead(ack.refs, ack.num_rows, record.first_row),
                         min(record.num_rows, ack.num_rows),
+                        record.as_ref,
                     )
                 )
             self._reads.submit(reads)
@@ -538,7 +553,7 @@ class ArtifactSchedulerConnector:
             if record is None or record.phase is not Phase.READING:
                 continue
             self._stats.materialization_s.append(res.seconds)
-            self._emit(record, res.rows, res.error)
+            self._emit(record, res.rows, res.error, ref=res.ref)
 
     def _forget_prefix_block(self, block_hash: bytes) -> None:
         """A prefix hit found this block's routes gone (evicted from the
@@ -602,6 +617,8 @@ class ArtifactSchedulerConnector:
         rows: np.ndarray | None,
         error: str | None,
         output: EngineCoreOutput | None = None,
+        *,
+        ref: RoutedExpertsRef | None = None,
     ) -> None:
         from vllm.v1.engine import FinishReason
 
@@ -623,6 +640,7 @@ class ArtifactSchedulerConnector:
                 output.finish_reason = FinishReason.ERROR
         else:
             output.routed_experts = rows
+            output.routed_experts_ref = ref
         if record.routes_wanted:
             self._stats.request_done(error)
         self._ready.append((record.client_index, output))

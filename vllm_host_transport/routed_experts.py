@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Routed experts by reference: what a trainer imports to fetch them.
+
+An engine serving ``routed_experts_format="ref"`` does not put a finished
+request's routes into its response. It hands the array to the host
+transport of its node under a fresh random key and returns a
+:class:`RoutedExpertsRef` instead (``choices[i].routed_experts_ref`` over
+HTTP, ``CompletionOutput.routed_experts_ref`` offline). A process of the
+same user on that node turns the reference into the array::
+
+    from vllm_host_transport.routed_experts import fetch
+
+    routes = fetch(choice["routed_experts_ref"])   # [tokens, layers, top_k]
+
+This module needs numpy, msgspec, xxhash and the transport's own modules,
+never vLLM or torch, so a trainer with another vLLM (or none) imports it.
+
+A payload is handed over once: the first ``fetch`` takes it, a second one
+finds it gone. Payloads nobody fetches are removed by the engine after its
+``ref_ttl_s``, when more than ``ref_max_bytes`` wait, and when it stops;
+``fetch`` then raises :class:`RouteRefMissingError`. A payload whose bytes
+do not match the reference raises :class:`RouteRefCorruptError`. Neither
+ever returns a partial array.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash  # type: ignore[import-not-found,unused-ignore]
+
+#: The host-transport edge an engine hands routes on: (from, to).
+EDGE = ("vllm-engine", "routed-experts")
+#: Transports a reference can name.
+TRANSPORTS = ("host",)
+#: dtypes routes come in.
+DTYPES = ("uint8", "int16", "uint16", "int32")
+_KEY_RE = re.compile(r"[0-9a-f]{32}\Z")
+_CHECKSUM_RE = re.compile(r"[0-9a-f]{16}\Z")
+
+
+class RouteRefError(RuntimeError):
+    """Base class of every failure to turn a reference into routes."""
+
+
+class RouteRefInvalidError(RouteRefError, ValueError):
+    """The reference is malformed (not one an engine gave out)."""
+
+
+class RouteRefMissingError(RouteRefError):
+    """The payload is not there: fetched already, removed after the
+    engine's TTL or byte bound, or the engine stopped."""
+
+
+class RouteRefCorruptError(RouteRefError):
+    """The payload's bytes do not match the reference."""
+
+
+class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a finished request's routes wait, and what they are.
+
+    ``fetch`` returns ``shape`` (``[rows, layers, top_k]`` of ``dtype``):
+    row ``i`` holds the experts of token ``prompt_start + i`` of the
+    request's prompt plus output. The stored payload (``nbytes``, xxh3-64
+    ``checksum``) may hold more rows than returned (the frontend cut the
+    request at a stop string or an abort after the engine computed more)."""
+
+    transport: str
+    """``host``: the host transport of the engine's node."""
+    location: str
+    """The host transport's scope the payload waits in."""
+    key: str
+    """The payload's key: 32 random hex characters, nothing derived from
+    the request."""
+    shape: tuple[int, int, int]
+    dtype: str
+    nbytes: int
+    checksum: str
+    prompt_start: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The reference as JSON values (what HTTP responses carry)."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RoutedExpertsRef:
+        """A reference from :meth:`to_json`'s dict (or its JSON text),
+        checked field by field."""
+        try:
+            if isinstance(obj, str | bytes):
+                ref = msgspec.json.decode(obj, type=cls)
+            else:
+                ref = msgspec.convert(obj, cls)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise RouteRefInvalidError(f"not a routed-experts reference: {e}") from e
+        ref.check()
+        return ref
+
+    def check(self) -> None:
+        """Raise :class:`RouteRefInvalidError` unless every field is one an
+        engine could have written."""
+        if self.transport not in TRANSPORTS:
+            raise RouteRefInvalidError(
+                f"unknown transport {self.transport!r}; this client knows "
+                f"{', '.join(TRANSPORTS)}"
+            )
+        if not isinstance(self.key, str) or not _KEY_RE.match(self.key):
+            raise RouteRefInvalidError("key must be 32 lowercase hex characters")
+        if not isinstance(self.checksum, str) or not _CHECKSUM_RE.match(self.checksum):
+            raise RouteRefInvalidError("checksum must be 16 lowercase hex characters")
+        if self.dtype not in DTYPES:
+            raise RouteRefInvalidError(f"dtype must be one of {', '.join(DTYPES)}")
+        rows, layers, top_k = self.shape
+        row_nbytes = layers * top_k * np.dtype(self.dtype).itemsize
+        if min(rows, layers, top_k) < 0 or layers == 0 or top_k == 0:
+            raise RouteRefInvalidError(f"bad shape {list(self.shape)}")
+        if self.nbytes < rows * row_nbytes or self.nbytes % row_nbytes:
+            raise RouteRefInvalidError(
+                f"{self.nbytes} stored bytes cannot hold {rows} rows of "
+                f"{row_nbytes} bytes"
+            )
+        if self.prompt_start < 0:
+            raise RouteRefInvalidError("prompt_start must be >= 0")
+
+
+def checksum_hex(data: Any) -> str:
+    """The checksum a reference carries: xxh3-64 of the payload, hex."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+_connectors: dict[str, Any] = {}
+_connectors_lock = threading.Lock()
+
+
+def _connector(scope: str) -> Any:
+    from vllm_host_transport import HostTransportConfig, HostTransportConnector
+
+    with _connectors_lock:
+        conn = _connectors.get(scope)
+        if conn is None:
+            conn = _connectors[scope] = HostTransportConnector(
+                HostTransportConfig(scope=scope)
+            )
+        return conn
+
+
+def fetch(
+    ref: RoutedExpertsRef | dict[str, Any] | str, timeout_s: float = 1.0
+) -> np.ndarray:
+    """The routes behind ``ref`` as an owned ``[rows, layers, top_k]`` array,
+    verified against its checksum. Takes the payload (a second fetch of the
+    same reference raises :class:`RouteRefMissingError`)."""
+    if not isinstance(ref, RoutedExpertsRef):
+        ref = RoutedExpertsRef.from_json(ref)
+    else:
+        ref.check()
+    got = _connector(ref.location).get_with_deadline(
+        EDGE[0], EDGE[1], ref.key, deadline=time.monotonic() + timeout_s
+    )
+    if got is None:
+        raise RouteRefMissingError(
+            f"routes {ref.key} are not in host-transport scope {ref.location!r}: "
+            "fetched already, removed after the engine's ref_ttl_s or "
+            "ref_max_bytes, or the engine stopped"
+        )
+    payload, _ = got
+    if not isinstance(payload, np.ndarray) or payload.nbytes != ref.nbytes:
+        raise RouteRefCorruptError(
+            f"routes {ref.key}: the payload is not the {ref.nbytes}-byte array "
+            "the reference names"
+        )
+    raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    if checksum_hex(raw) != ref.checksum:
+        raise RouteRefCorruptError(f"routes {ref.key}: checksum mismatch")
+    rows, layers, top_k = ref.shape
+    stored = raw.view(ref.dtype).reshape(-1, layers, top_k)
+    return stored[:rows] if rows < stored.shape[0] else stored
