@@ -119,11 +119,17 @@ class ScopeDir:
     that closes last (it gets the lock exclusively) removes the directory and
     everything the transport left in it."""
 
+    @staticmethod
+    def dir_name(scope: str) -> str:
+        """The directory's name under the root (scope names are untrusted:
+        only their hash is used)."""
+        return f"vllm-ht-{os.getuid()}-{hex_name(scope)}"
+
     def __init__(self, root: str, scope: str) -> None:
         check_platform()
         self.uid = os.getuid()
         self.root = root
-        self.name = f"vllm-ht-{self.uid}-{hex_name(scope)}"
+        self.name = self.dir_name(scope)
         self.path = os.path.join(root, self.name)
         self.fd = -1
         self.stamp_fd = -1

@@ -252,3 +252,33 @@ def remove_dead_stores(vllm_config: VllmConfig, wait_s: float = 5.0) -> None:
         time.sleep(0.1)  # a killed worker is still exiting
     with contextlib.suppress(OSError):
         os.rmdir(cfg.shm_root)
+    _remove_dead_ref_scope(cfg.ref_scope)
+
+
+def _remove_dead_ref_scope(scope: str | None) -> None:
+    """Remove what killed engines left in the host-transport scope of
+    routed-experts references: their rings are pruned (a receive on the
+    references' edge drops the rings of dead producers), and the scope goes
+    with everything in it when no live process holds it open. A trainer
+    that still holds it keeps a dead engine's unfetched large payloads
+    (per-key segments) until it closes its own connector, which then
+    removes the scope."""
+    import os
+    import secrets
+
+    from vllm_host_transport import HostTransportConfig, HostTransportConnector
+    from vllm_host_transport.discovery import HostTransportError, ScopeDir
+    from vllm_host_transport.routed_experts import EDGE
+
+    config = HostTransportConfig(scope=scope)
+    path = os.path.join(config.shm_root, ScopeDir.dir_name(config.resolved_scope()))
+    if not os.path.isdir(path):
+        return
+    try:
+        conn = HostTransportConnector(config)
+        try:
+            conn.get(EDGE[0], EDGE[1], secrets.token_hex(16))
+        finally:
+            conn.close()
+    except (HostTransportError, OSError) as e:
+        logger.warning("could not clean up routed-experts references: %s", e)

@@ -61,9 +61,7 @@ class RouteRefs:
         self.published = 0
         self.expired = 0
         try:
-            self._conn = HostTransportConnector(
-                HostTransportConfig(scope=scope, max_payload_bytes=max_bytes)
-            )
+            self._conn = HostTransportConnector(HostTransportConfig(scope=scope))
         except (HostTransportError, OSError, ValueError) as e:
             raise RouteRefPublishError(
                 f"cannot open the host transport for routed-experts references "

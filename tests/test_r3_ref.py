@@ -1,0 +1,418 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Routes by reference (``routed_experts_format="ref"``) through the same-node
+host transport: a real ``vllm serve`` and a real ``LLM``, and a separate
+consumer process that imports ``vllm_host_transport.routed_experts`` only
+(it checks that neither vLLM nor torch is loaded) and fetches each
+reference. Every fetched array is checked against transformers' router in
+float32."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from utils.oracle import expected_r3
+from utils.r3 import (
+    PROMPTS,
+    SHARED_PREFIX,
+    engine_kwargs,
+    greedy,
+    http_post,
+    r3_server,
+    serve_flags,
+    shm_root,
+)
+
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parent.parent
+TTL_S = 3.0
+
+# The trainer's side: one process for the whole module, fed one reference
+# per line; it answers with the fetched array's file or the error's type.
+CONSUMER = r"""
+import json, sys
+import numpy as np
+from vllm_host_transport.routed_experts import RouteRefError, fetch
+for line in sys.stdin:
+    job = json.loads(line)
+    try:
+        routes = fetch(job["ref"])
+    except RouteRefError as e:
+        answer = {"error": type(e).__name__, "message": str(e)}
+    else:
+        np.save(job["out"], routes)
+        answer = {"ok": True}
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch"))
+    answer["loaded"] = loaded
+    print(json.dumps(answer), flush=True)
+"""
+
+
+class Consumer:
+    """A trainer process next to the engine (same user, same node)."""
+
+    def __init__(self, tmp: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CONSUMER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp,
+        )
+        self.tmp = tmp
+        self.n = 0
+
+    def fetch(self, ref: dict) -> np.ndarray | str:
+        """The array, or the name of the error ``fetch`` raised."""
+        self.n += 1
+        out = str(self.tmp / f"routes-{self.n}.npy")
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"ref": ref, "out": out}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        assert answer["loaded"] == [], f"the consumer imported {answer['loaded']}"
+        if "error" in answer:
+            return answer["error"]
+        routes = np.load(out)
+        os.unlink(out)
+        return routes
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def consumer(tmp_path_factory):
+    c = Consumer(tmp_path_factory.mktemp("consumer"))
+    yield c
+    c.close()
+
+
+def _scope_name(scope: str) -> str:
+    from vllm_host_transport.discovery import ScopeDir
+
+    return ScopeDir.dir_name(scope)
+
+
+def _assert_ref_exact(consumer, tiny_moe, ref, prompt_ids, token_ids, first_row=0):
+    assert ref is not None
+    assert ref["transport"] == "host" and ref["prompt_start"] == first_row
+    got = consumer.fetch(ref)
+    assert isinstance(got, np.ndarray), got
+    want = expected_r3(tiny_moe, prompt_ids, token_ids)[first_row:]
+    assert got.dtype == np.uint8 and list(ref["shape"]) == list(want.shape)
+    np.testing.assert_array_equal(got, want)
+    assert got.any()  # not a zero-filled answer
+    return got
+
+
+# ------------------------------------------------------------------ HTTP
+@pytest.fixture(scope="module")
+def scope():
+    return f"r3ref-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_moe, scope):
+    root = shm_root()
+    flags = serve_flags(
+        root, routed_experts_format="ref", ref_scope=scope, ref_ttl_s=TTL_S
+    )
+    with r3_server(tiny_moe, flags, root, "test-r3-ref.log") as srv:
+        yield srv
+    # Everything the engine handed out is removed when it stops.
+    assert not os.path.exists(os.path.join("/dev/shm", _scope_name(scope)))
+
+
+def _post(server, path, body):
+    status, out = http_post(server.base_url, path, body)
+    assert status == 200, out
+    return out
+
+
+def _completion(server, prompt, **kw):
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
+    return _post(server, "/v1/completions", body)
+
+
+def test_completion_chat_and_tito_by_reference(server, consumer, tiny_moe):
+    body = _completion(server, SHARED_PREFIX + "First.")
+    (choice,) = body["choices"]
+    assert choice["routed_experts"] is None  # no base64 through the API server
+    _assert_ref_exact(
+        consumer,
+        tiny_moe,
+        choice["routed_experts_ref"],
+        choice["prompt_token_ids"],
+        choice["token_ids"],
+    )
+    chat = _post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Capital of France?"}],
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    (c,) = chat["choices"]
+    assert c["routed_experts"] is None
+    _assert_ref_exact(
+        consumer, tiny_moe, c["routed_experts_ref"], chat["prompt_token_ids"],
+        c["token_ids"],
+    )  # fmt: skip
+    ids = choice["prompt_token_ids"]
+    tito = _post(
+        server,
+        "/inference/v1/generate",
+        {
+            "token_ids": ids,
+            "sampling_params": {
+                "max_tokens": 8,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "routed_experts_prompt_start": 20,
+            },
+        },
+    )
+    (t,) = tito["choices"]
+    _assert_ref_exact(
+        consumer, tiny_moe, t["routed_experts_ref"], ids, t["token_ids"], 20
+    )
+
+
+def test_a_request_can_ask_for_inline_routes(server, tiny_moe):
+    from vllm.utils.routed_experts_codec import decode_routed_experts
+
+    body = _completion(server, PROMPTS[1], routed_experts_format="inline")
+    (choice,) = body["choices"]
+    assert choice["routed_experts_ref"] is None
+    np.testing.assert_array_equal(
+        decode_routed_experts(choice["routed_experts"]),
+        expected_r3(tiny_moe, choice["prompt_token_ids"], choice["token_ids"]),
+    )
+    status, out = http_post(
+        server.base_url,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "routed_experts_format": "npy"},
+    )
+    assert status == 400, out
+
+
+def test_streams_carry_the_reference_on_each_final_chunk(server, consumer, tiny_moe):
+    import httpx
+
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[2],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 2,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    tokens: dict[int, list[int]] = {}
+    refs: dict[int, dict] = {}
+    prompt_ids: dict[int, list[int]] = {}
+    with httpx.stream(
+        "POST", server.base_url + "/v1/completions", json=body, timeout=120
+    ) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[len("data: ") :])["choices"]:
+                i = ch["index"]
+                if ch.get("prompt_token_ids"):
+                    prompt_ids[i] = ch["prompt_token_ids"]
+                tokens.setdefault(i, []).extend(ch.get("token_ids") or [])
+                if ch.get("finish_reason") is None:
+                    assert not ch.get("routed_experts_ref"), ch
+                else:
+                    assert i not in refs
+                    refs[i] = ch["routed_experts_ref"]
+    assert sorted(refs) == [0, 1] and tokens[0] != tokens[1]
+    for i in (0, 1):
+        _assert_ref_exact(consumer, tiny_moe, refs[i], prompt_ids[i], tokens[i])
+
+
+def test_stop_string_cuts_the_referenced_rows(server, consumer, tiny_moe):
+    free = _completion(
+        server, PROMPTS[4], max_tokens=24, routed_experts_format="inline"
+    )
+    text = free["choices"][0]["text"]
+    stop = text[len(text) // 3 : len(text) // 3 + 4]
+    assert stop.strip()
+    (choice,) = _completion(server, PROMPTS[4], max_tokens=24, stop=[stop])["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert len(choice["token_ids"]) < len(free["choices"][0]["token_ids"])
+    _assert_ref_exact(
+        consumer,
+        tiny_moe,
+        choice["routed_experts_ref"],
+        choice["prompt_token_ids"],
+        choice["token_ids"],
+    )
+
+
+def test_abort_with_tokens_returns_a_reference_of_those(server, consumer, tiny_moe):
+    result: dict = {}
+    t = threading.Thread(
+        target=lambda: result.update(
+            out=_completion(server, PROMPTS[3], max_tokens=600)
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 60
+    while not _generated(server):
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.01)
+    _post(server, "/abort_requests", {})
+    t.join(timeout=120)
+    (choice,) = result["out"]["choices"]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 600
+    _assert_ref_exact(
+        consumer,
+        tiny_moe,
+        choice["routed_experts_ref"],
+        choice["prompt_token_ids"],
+        choice["token_ids"],
+    )
+
+
+def _generated(server, _seen: dict = {}) -> bool:  # noqa: B006
+    """Whether the engine generated 4 more tokens since the last call that
+    returned True (a request is decoding)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+    base = _seen.setdefault("base", total)
+    if total >= base + 4:
+        _seen.pop("base")
+        return True
+    return False
+
+
+def test_a_reference_is_taken_once_and_expires_unfetched(server, consumer, tiny_moe):
+    a = _completion(server, PROMPTS[0])["choices"][0]
+    b = _completion(server, PROMPTS[1])["choices"][0]
+    _assert_ref_exact(
+        consumer, tiny_moe, a["routed_experts_ref"], a["prompt_token_ids"],
+        a["token_ids"],
+    )  # fmt: skip
+    assert consumer.fetch(a["routed_experts_ref"]) == "RouteRefMissingError"
+    # b is never fetched in time: the engine removes it after its TTL (the
+    # reader's upkeep runs every second while idle).
+    time.sleep(TTL_S + 2.5)
+    assert consumer.fetch(b["routed_experts_ref"]) == "RouteRefMissingError"
+
+
+def test_a_corrupted_payload_is_a_typed_error(server, consumer, scope, tiny_moe):
+    c = _completion(server, PROMPTS[5])["choices"][0]
+    want = expected_r3(tiny_moe, c["prompt_token_ids"], c["token_ids"])
+    want = want.astype(np.uint8).tobytes()
+    # Flip a byte of the routes where they wait (a ring or a segment file).
+    scope_path = os.path.join("/dev/shm", _scope_name(scope))
+    hit = False
+    for name in os.listdir(scope_path):
+        path = os.path.join(scope_path, name)
+        with open(path, "r+b") as f:
+            data = f.read()
+            at = data.rfind(want)
+            if at >= 0:
+                f.seek(at + len(want) // 2)
+                f.write(bytes([data[at + len(want) // 2] ^ 0xFF]))
+                hit = True
+    assert hit, "the routes were not found in the scope"
+    assert consumer.fetch(c["routed_experts_ref"]) == "RouteRefCorruptError"
+    # A malformed reference is refused before anything is read.
+    bad = dict(c["routed_experts_ref"], key="../" + "0" * 29)
+    assert consumer.fetch(bad) == "RouteRefInvalidError"
+    # The server keeps serving references.
+    d = _completion(server, PROMPTS[2], max_tokens=5)["choices"][0]
+    _assert_ref_exact(
+        consumer, tiny_moe, d["routed_experts_ref"], d["prompt_token_ids"],
+        d["token_ids"],
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------- offline
+def test_offline_references_bounded_in_bytes(tiny_moe, consumer):
+    """``LLM.generate`` with a per-request reference; the unfetched routes
+    are bounded by ``ref_max_bytes`` (the oldest go first) and removed at
+    shutdown."""
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    scope = f"r3ref-{uuid.uuid4().hex[:12]}"
+    # Each response is 30 prompt + 8 new tokens: 37 rows of [2, 2] uint8,
+    # 148 bytes; 300 bytes hold two of them.
+    kwargs = engine_kwargs(tiny_moe)
+    kwargs["artifact_config"].update(ref_scope=scope, ref_max_bytes=300)
+    llm = LLM(**kwargs)
+    try:
+        outs = [
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=list(range(s, s + 30)))],
+                greedy(8, routed_experts_format="ref"),
+                use_tqdm=False,
+            )[0]
+            for s in (10, 50, 90)
+        ]
+        inline = llm.generate([PROMPTS[0]], greedy(8), use_tqdm=False)[0]
+        assert inline.outputs[0].routed_experts_ref is None
+        np.testing.assert_array_equal(
+            inline.outputs[0].routed_experts,
+            expected_r3(tiny_moe, inline.prompt_token_ids, inline.outputs[0].token_ids),
+        )
+        refs = [o.outputs[0].routed_experts_ref for o in outs]
+        assert all(o.outputs[0].routed_experts is None for o in outs)
+        assert [r.nbytes for r in refs] == [148] * 3
+        # The third put pushed the first one out.
+        assert consumer.fetch(refs[0].to_json()) == "RouteRefMissingError"
+        for o, ref in zip(outs[1:], refs[1:]):
+            _assert_ref_exact(
+                consumer, tiny_moe, ref.to_json(), o.prompt_token_ids,
+                o.outputs[0].token_ids,
+            )  # fmt: skip
+    finally:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+        del llm
+    # The engine's ring and unfetched segments are gone; the scope itself
+    # stays while the consumer holds it open (its close removes it).
+    path = os.path.join("/dev/shm", _scope_name(scope))
+    left = os.listdir(path) if os.path.exists(path) else []
+    assert [n for n in left if n.startswith("ring-") or n.endswith(".seg")] == []
