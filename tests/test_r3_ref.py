@@ -338,6 +338,25 @@ def test_a_reference_is_taken_once_and_expires_unfetched(server, consumer, tiny_
     # reader's upkeep runs every second while idle).
     time.sleep(TTL_S + 2.5)
     assert consumer.fetch(b["routed_experts_ref"]) == "RouteRefMissingError"
+    # /metrics counts it (updated with the next step).
+    _completion(server, PROMPTS[0], max_tokens=2, routed_experts_format="inline")
+    assert _metric(server, "vllm:routed_experts_refs_expired_total") >= 1
+    assert _metric(server, "vllm:routed_experts_refs_published_total") >= 3
+    assert _metric(server, "vllm:routed_experts_refs_waiting_bytes") >= 0
+
+
+def _metric(server, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    assert values, f"{name} is not on /metrics"
+    return sum(values)
 
 
 def test_a_corrupted_payload_is_a_typed_error(server, consumer, scope, tiny_moe):

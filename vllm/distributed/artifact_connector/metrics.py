@@ -45,6 +45,9 @@ STORE_GAUGES = (
     "queue_depth",
 )
 STORE_COUNTERS = ("puts_written", "divergences", "evicted_objects")
+# Routes handed out by reference (``RouteRefs.counters``, engine core).
+REF_GAUGES = ("waiting_bytes",)
+REF_COUNTERS = ("published", "expired")
 
 # Failure causes shown at zero from the start (others appear when they occur).
 KNOWN_ERRORS = (
@@ -83,6 +86,9 @@ class ArtifactStatsCollector:
         self._store: dict[str, int] | None = None  # a snapshot not taken yet
         self._store_totals: dict[str, int] = {}  # the worker's last totals
         self._store_increments: collections.Counter[str] = collections.Counter()
+        self._refs: dict[str, int] | None = None
+        self._refs_totals: dict[str, int] = {}
+        self._refs_increments: collections.Counter[str] = collections.Counter()
 
     def request_done(self, error: str | None) -> None:
         """A request's final output went out with routes (``error`` None)
@@ -104,6 +110,15 @@ class ArtifactStatsCollector:
                 self._store_increments[k] += total - last
                 self._store_totals[k] = total
 
+    def refs_snapshot(self, snapshot: dict[str, int]) -> None:
+        """The route reader's reference counters, when they changed."""
+        if snapshot == self._refs_totals:
+            return
+        self._refs = {k: snapshot[k] for k in REF_GAUGES}
+        for k in REF_COUNTERS:
+            self._refs_increments[k] += snapshot[k] - self._refs_totals.get(k, 0)
+        self._refs_totals = dict(snapshot)
+
     def take(self) -> dict[str, Any] | None:
         """What changed since the last call (None if nothing), as a plain
         dict for ``SchedulerStats.artifact_stats``."""
@@ -113,6 +128,7 @@ class ArtifactStatsCollector:
             or self.materialization_s
             or self.publish_s
             or self._store is not None
+            or self._refs is not None
         ):
             return None
         out: dict[str, Any] = {
@@ -124,6 +140,11 @@ class ArtifactStatsCollector:
         if self._store is not None:
             out["store"] = self._store
             out["store_increments"] = dict(self._store_increments)
+        if self._refs is not None:
+            out["refs"] = self._refs
+            out["refs_increments"] = dict(self._refs_increments)
+            self._refs = None
+            self._refs_increments = collections.Counter()
         self.requests_routed = 0
         self.failures = collections.Counter()
         self.materialization_s = []
@@ -248,6 +269,25 @@ class ArtifactProm:
                 "Objects evicted from the routes store to make room.",
             ),
         }
+        self.ref_gauges = {
+            "waiting_bytes": gauge(
+                p + "refs_waiting_bytes",
+                "Bytes of routes handed out by reference (routed_experts_format "
+                "ref) not yet removed: unfetched ones, and fetched ones until "
+                "their TTL ends (bounded by ref_max_bytes).",
+            ),
+        }
+        self.ref_counters = {
+            "published": counter(
+                p + "refs_published",
+                "Routes handed to the host transport by reference.",
+            ),
+            "expired": counter(
+                p + "refs_expired",
+                "Routes handed out by reference and removed unfetched (after "
+                "ref_ttl_s, or to stay within ref_max_bytes).",
+            ),
+        }
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one ``SchedulerStats.artifact_stats``."""
@@ -270,3 +310,8 @@ class ArtifactProm:
         for name, n in data.get("store_increments", {}).items():
             if n and name in self.store_counters:
                 self.store_counters[name][engine_idx].inc(n)
+        for name, value in data.get("refs", {}).items():
+            self.ref_gauges[name][engine_idx].set(value)
+        for name, n in data.get("refs_increments", {}).items():
+            if n:
+                self.ref_counters[name][engine_idx].inc(n)

@@ -105,6 +105,14 @@ class RouteRefs:
             prompt_start=prompt_start,
         )
 
+    def counters(self) -> dict[str, int]:
+        """For the metrics (read from the engine thread: plain ints)."""
+        return {
+            "waiting_bytes": self.waiting_bytes,
+            "published": self.published,
+            "expired": self.expired,
+        }
+
     def expire(self) -> None:
         """Retire the payloads past their TTL."""
         now = time.monotonic()

@@ -649,6 +649,9 @@ class ArtifactSchedulerConnector:
         """The metrics since the last call, for ``SchedulerStats.
         artifact_stats`` (see ``metrics.py``); None when nothing changed.
         Called once per step."""
+        refs = self._reads.refs
+        if refs is not None:
+            self._stats.refs_snapshot(refs.counters())
         return self._stats.take()
 
     def stats(self) -> dict[str, int]:
