@@ -12,17 +12,15 @@ in ``ModelRunnerOutput.artifact_report``, has the rows read from the
 store off the engine thread (``route_reader.py``), attaches them and
 releases the request's objects.
 
-State is one :class:`_Record` per request, with an explicit
+State is one :class:`RequestRecord` per request, with an explicit
 :class:`Phase`; every transition is a method of this class, on the engine
 thread. No rows travel per step.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +48,13 @@ from vllm.distributed.artifact_connector.request_core import (
 )
 from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
 from vllm.distributed.artifact_connector.route_refs import RouteRefs
+from vllm.distributed.artifact_connector.scheduler_state import (
+    AttemptState,
+    Outbox,
+    Phase,
+    RequestRecord,
+    ended_in_engine,
+)
 from vllm.distributed.artifact_connector.shm import ShmStoreReader
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
@@ -67,86 +72,6 @@ logger = init_logger(__name__)
 
 class ArtifactAckTimeout(ArtifactError):
     """The publishing worker did not acknowledge a finished request in time."""
-
-
-class Phase(enum.Enum):
-    RUNNING = "running"
-    """The live attempt is scheduled (or waits to be, before its first step)."""
-    PREEMPTED = "preempted"
-    """Preempted: the attempt keeps its rows until the request resumes and
-    the new attempt has recomputed them, or until it finishes first."""
-    FINISHING = "finishing"
-    """Finalize sent; the terminal output waits for the acknowledgement."""
-    READING = "reading"
-    """Acknowledged; the route reader reads the rows, the terminal output
-    waits for them."""
-
-
-@dataclass
-class _Attempt:
-    number: int
-    hashes_sent: int
-    # Tokens the attempt has computed (scheduled); set when it stops running.
-    computed: int = 0
-
-
-@dataclass
-class _Record:
-    """One request's R3 state."""
-
-    req_id: str
-    client_index: int
-    phase: Phase = Phase.RUNNING
-    attempts: int = 0  # attempts started so far
-    live: _Attempt | None = None
-    # A preempted attempt kept while the resumed one recomputes its rows:
-    # a finish during the recompute is finalised from it.
-    parked: _Attempt | None = None
-    # Why this request cannot get routes (it runs and fails when it ends).
-    error: str | None = None
-    # Whether a caller waits for routes (False after a client-gone abort).
-    routes_wanted: bool = True
-    # Routes go out by reference (routed_experts_format "ref").
-    as_ref: bool = False
-    # FINISHING: the finalised attempt, the boundary, the held output.
-    finalized: int = 0
-    num_rows: int = 0
-    first_row: int = 0
-    engine_finish: bool = False
-    ended: float = 0.0
-    output: EngineCoreOutput | None = None
-
-
-@dataclass
-class _Outbox:
-    """Messages for the next step's meta."""
-
-    starts: list[AttemptStart] = field(default_factory=list)
-    hashes: list[BlockHashes] = field(default_factory=list)
-    finalizes: list[Finalize] = field(default_factory=list)
-    discards: list[Discard] = field(default_factory=list)
-    releases: list[Release] = field(default_factory=list)
-    weight_version: str | None = None
-
-    def meta(self) -> ArtifactSchedulerMeta:
-        return ArtifactSchedulerMeta(
-            weight_version=self.weight_version,
-            starts=tuple(self.starts),
-            hashes=tuple(self.hashes),
-            finalizes=tuple(self.finalizes),
-            discards=tuple(self.discards),
-            releases=tuple(self.releases),
-        )
-
-
-def _engine_finish(request: Request) -> bool:
-    from vllm.v1.request import RequestStatus
-
-    return request.status in (
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH_CAPPED,
-        RequestStatus.FINISHED_REPETITION,
-    )
 
 
 class ArtifactSchedulerConnector:
@@ -178,7 +103,7 @@ class ArtifactSchedulerConnector:
             lambda: RouteRefs(cfg.ref_scope, cfg.ref_max_bytes, cfg.ref_ttl_s),
         )
         self._step_empty = False
-        self._records: dict[str, _Record] = {}
+        self._records: dict[str, RequestRecord] = {}
         # Where blocks whose routes are lost are dropped from the prefix
         # cache (only when its blocks are the hash blocks).
         self._kv_cache_manager = (
@@ -187,7 +112,7 @@ class ArtifactSchedulerConnector:
             else None
         )
         self._num_finishing = 0
-        self._out = _Outbox()
+        self._out = Outbox()
         # Terminal outputs to emit with the next update.
         self._ready: list[tuple[int, EngineCoreOutput]] = []
         self._stats = ArtifactStatsCollector()
@@ -207,7 +132,7 @@ class ArtifactSchedulerConnector:
                     if request.sampling_params is not None
                     else None
                 ) or self._default_format
-                record = self._records[new.req_id] = _Record(
+                record = self._records[new.req_id] = RequestRecord(
                     new.req_id, request.client_index, as_ref=fmt == "ref"
                 )
             self._start_attempt(record, request, new.num_computed_tokens)
@@ -230,10 +155,12 @@ class ArtifactSchedulerConnector:
                 self._discard(record, parked)
                 record.parked = None
         # Messages queued from now on go with the next step.
-        out, self._out = self._out, _Outbox()
+        out, self._out = self._out, Outbox()
         return out.meta()
 
-    def _start_attempt(self, record: _Record, request: Request, cached: int) -> None:
+    def _start_attempt(
+        self, record: RequestRecord, request: Request, cached: int
+    ) -> None:
         bs = self.block_size
         old = record.live
         if old is not None:
@@ -269,9 +196,11 @@ class ArtifactSchedulerConnector:
                 tuple(request.block_hashes[:n_prefix]),
             )
         )
-        record.live = _Attempt(record.attempts, n_prefix)
+        record.live = AttemptState(record.attempts, n_prefix)
 
-    def _queue_hashes(self, record: _Record, att: _Attempt, block_hashes: list) -> None:
+    def _queue_hashes(
+        self, record: RequestRecord, att: AttemptState, block_hashes: list
+    ) -> None:
         n = len(block_hashes)
         if n > att.hashes_sent:
             self._out.hashes.append(
@@ -284,7 +213,7 @@ class ArtifactSchedulerConnector:
             )
             att.hashes_sent = n
 
-    def _discard(self, record: _Record, att: _Attempt) -> None:
+    def _discard(self, record: RequestRecord, att: AttemptState) -> None:
         """End an attempt without output: the worker publishes its full
         blocks (their KV stays cached, later hits need their routes), drops
         the rest and releases what it retained."""
@@ -325,13 +254,15 @@ class ArtifactSchedulerConnector:
         req_id = request.request_id
         record = self._records.get(req_id)
         if record is None:  # never scheduled
-            if _engine_finish(request) or (
+            if ended_in_engine(request) or (
                 request.status == RequestStatus.FINISHED_ABORTED
                 and request.num_output_tokens
             ):
                 # Cannot happen in the base (a request runs before it
                 # returns tokens); fail loudly rather than answer without.
-                record = self._records[req_id] = _Record(req_id, request.client_index)
+                record = self._records[req_id] = RequestRecord(
+                    req_id, request.client_index
+                )
                 record.error = (
                     "ArtifactError: the request never ran, so no routes cover "
                     "its tokens"
@@ -340,7 +271,7 @@ class ArtifactSchedulerConnector:
                 return
         if record.phase in (Phase.FINISHING, Phase.READING):
             return
-        engine_finish = _engine_finish(request)
+        engine_finish = ended_in_engine(request)
         aborted_with_tokens = (
             request.status == RequestStatus.FINISHED_ABORTED
             and request.num_output_tokens > 0
@@ -410,7 +341,7 @@ class ArtifactSchedulerConnector:
         self._out.finalizes.append(kind(req_id, att.number, num_rows, tail_hash))
         record.finalized = att.number
 
-    def _attempt_for(self, record: _Record, num_rows: int) -> _Attempt | None:
+    def _attempt_for(self, record: RequestRecord, num_rows: int) -> AttemptState | None:
         """The attempt whose rows cover ``num_rows``: the live one once it
         has computed them, else the parked one it is recomputing."""
         if record.error is not None:
@@ -601,7 +532,7 @@ class ArtifactSchedulerConnector:
             if len(kept) != len(client_outputs):
                 client_outputs[:] = kept
 
-    def _finishing(self, req_id: str, attempt: int) -> _Record | None:
+    def _finishing(self, req_id: str, attempt: int) -> RequestRecord | None:
         record = self._records.get(req_id)
         if (
             record is None
@@ -613,7 +544,7 @@ class ArtifactSchedulerConnector:
 
     def _emit(
         self,
-        record: _Record,
+        record: RequestRecord,
         rows: np.ndarray | None,
         error: str | None,
         output: EngineCoreOutput | None = None,
