@@ -17,7 +17,8 @@ together. Each side runs the code the server runs:
   (``publish``: a copy into the host transport, its checksum); the API
   server serialises the reference to JSON; a separate consumer process, which
   never imports vLLM or torch, parses it and calls ``fetch`` (claim, copy
-  out, checksum).
+  out, checksum); the consumer's later release of the arrays (with a
+  borrowed segment, unmapping and freeing its pages) is timed apart.
 
 "client" is the time from the end of the request's compute to the numpy
 array in the client's hands, the sum of the stages above (the HTTP transfer
@@ -68,8 +69,12 @@ for line in sys.stdin:
     t0 = time.perf_counter()
     arrays = [fetch(r) for r in refs]
     dt = time.perf_counter() - t0
+    rows = sum(a.shape[0] for a in arrays)
+    t0 = time.perf_counter()
+    del arrays  # borrowed mappings: their pages are freed here
+    release = time.perf_counter() - t0
     loaded = [m for m in sys.modules if m.split(".")[0] in ("vllm", "torch")]
-    print(json.dumps({"s": dt, "rows": sum(a.shape[0] for a in arrays),
+    print(json.dumps({"s": dt, "release_s": release, "rows": rows,
                       "loaded": loaded}), flush=True)
 """
 
@@ -137,6 +142,7 @@ def ref_once(refs_out: RouteRefs, consumer, arrays: list[np.ndarray]) -> dict:
         "engine_publish_s": t1 - t0,
         "api_server_s": t2 - t1,
         "client_fetch_s": answer["s"],
+        "client_release_s": answer["release_s"],
         "client_s": (t1 - t0) + (t2 - t1) + answer["s"],
         "api_bytes": len(body),
     }

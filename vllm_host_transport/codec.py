@@ -518,6 +518,7 @@ class FrameCodec:
         # Decode state (valid only during one decode call).
         self._src: memoryview | None = None
         self._small: bytearray | None = None
+        self._borrow = False
         self._large_start = 0
         self.last_size = 0
 
@@ -639,10 +640,13 @@ class FrameCodec:
         return EncodedFrame(KIND_SERIAL, header, small, large, small_total, large_total)
 
     # ------------------------------------------------------------------ decode
-    def decode(self, src: memoryview) -> Any:
+    def decode(self, src: memoryview, *, borrow: bool = False) -> Any:
         """Decode the frame at the start of ``src`` into owned objects.
 
-        ``src`` may be shared memory; everything returned is a copy. Raises
+        ``src`` may be shared memory; everything returned is a copy, except
+        that with ``borrow`` a numpy array in the large area is a view of
+        ``src`` (for a caller whose ``src`` is memory no other process can
+        reach, such as a claimed segment mapped privately). Raises
         :class:`CorruptFrame` for anything that fails validation.
         """
         if len(src) < PREFIX_SIZE:
@@ -661,6 +665,7 @@ class FrameCodec:
         try:
             if kind == KIND_TFRAME:
                 self._src = src
+                self._borrow = borrow
                 self._small = (
                     bytearray(src[small_start : small_start + small_total])
                     if small_total
@@ -672,6 +677,7 @@ class FrameCodec:
                 finally:
                     self._src = None
                     self._small = None
+                    self._borrow = False
             if kind == KIND_TDICT:
                 return self._decode_tdict(
                     src, header, small_start, small_total, large_start
@@ -843,6 +849,10 @@ class FrameCodec:
             if area == 0:
                 arr = np.frombuffer(buf, dtype=dtype, count=numel, offset=s)
                 arr = arr.reshape(shape)
+            elif self._borrow:
+                return np.frombuffer(buf, dtype=dtype, count=numel, offset=s).reshape(
+                    shape
+                )
             else:
                 arr = np.empty(shape, dtype=dtype)
                 arr.reshape(-1).view(np.uint8).data[:] = buf[s : s + nbytes]

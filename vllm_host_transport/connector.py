@@ -164,11 +164,18 @@ class HostTransportConnector:
         to_stage: Any,
         key: str,
         descriptor: dict[str, Any] | None = None,
+        *,
+        borrow: bool = False,
     ) -> tuple[Any, int] | None:
         """Take the payload for ``key``: ``(obj, size)`` or ``None`` when it is
-        not there (yet) or gone. Never waits on another process's lock."""
+        not there (yet) or gone. Never waits on another process's lock.
+
+        With ``borrow``, large numpy arrays of a payload taken from a per-key
+        segment are views of the claimed segment, mapped privately, instead
+        of copies (nothing else can reach it once claimed; writes stay
+        private); ring payloads are copied as always."""
         receiver = self._receiver or self._receive_side()
-        return receiver.get(from_stage, to_stage, key, descriptor)
+        return receiver.get(from_stage, to_stage, key, descriptor, borrow)
 
     def get_with_deadline(
         self,
@@ -178,13 +185,16 @@ class HostTransportConnector:
         descriptor: dict[str, Any] | None = None,
         deadline: float | None = None,
         poll_interval_s: float = 0.0002,
+        *,
+        borrow: bool = False,
     ) -> tuple[Any, int] | None:
         """Poll for ``key`` until ``deadline`` (``time.monotonic()`` seconds).
 
         Locks held by other processes are only ever tried, never waited on,
-        so this returns ``None`` once the deadline has passed."""
+        so this returns ``None`` once the deadline has passed. ``borrow``: see
+        :meth:`get`."""
         return self._receive_side().get_with_deadline(
-            from_stage, to_stage, key, descriptor, deadline, poll_interval_s
+            from_stage, to_stage, key, descriptor, deadline, poll_interval_s, borrow
         )
 
     # --------------------------------------------------------------- health

@@ -111,9 +111,15 @@ def write_segment(
         os.close(lfd)
 
 
-def claim_segment(dir_fd: int, name: str, key_hash: bytes, codec: Any) -> Any:
+def claim_segment(
+    dir_fd: int, name: str, key_hash: bytes, codec: Any, borrow: bool = False
+) -> Any:
     """Try to take segment ``name``: the owned payload, or MISSING, BUSY,
-    CORRUPT, DEAD. Never blocks on a lock."""
+    CORRUPT, DEAD. Never blocks on a lock. With ``borrow``, the segment is
+    mapped privately (copy on write) and the payload's large numpy arrays
+    are views of that mapping instead of copies: once claimed the segment
+    is unlinked, so nothing else reaches those pages, and they are freed
+    when the arrays are."""
     lock_name = name + ".lock"
     try:
         lfd = os.open(lock_name, _flags(os.O_RDWR), dir_fd=dir_fd)
@@ -140,6 +146,18 @@ def claim_segment(dir_fd: int, name: str, key_hash: bytes, codec: Any) -> Any:
             result: Any
             if size <= SEG_HEADER_SIZE:
                 result = CORRUPT
+            elif borrow:
+                mm = mmap.mmap(
+                    fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
+                )
+                mv = memoryview(mm)
+                try:
+                    result = _decode_segment(mv, key_hash, codec, borrow=True)
+                finally:
+                    # The arrays returned keep the mapping (exports): it goes
+                    # with them.
+                    with contextlib.suppress(BufferError):
+                        mv.release()
             else:
                 with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
                     mv = memoryview(mm)
@@ -159,7 +177,9 @@ def claim_segment(dir_fd: int, name: str, key_hash: bytes, codec: Any) -> Any:
         os.close(lfd)
 
 
-def _decode_segment(mv: memoryview, key_hash: bytes, codec: Any) -> Any:
+def _decode_segment(
+    mv: memoryview, key_hash: bytes, codec: Any, borrow: bool = False
+) -> Any:
     magic, pid, start, kh = SEG_HEADER.unpack_from(mv)
     if magic != SEG_MAGIC or kh != key_hash:
         return CORRUPT
@@ -167,7 +187,7 @@ def _decode_segment(mv: memoryview, key_hash: bytes, codec: Any) -> Any:
         return DEAD
     sub = mv[SEG_HEADER_SIZE:]
     try:
-        return codec.decode(sub)
+        return codec.decode(sub, borrow=borrow)
     except CorruptFrame:
         return CORRUPT
     finally:

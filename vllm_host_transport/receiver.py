@@ -95,10 +95,11 @@ class Receiver:
         to_stage: Any,
         key: str,
         descriptor: dict[str, Any] | None = None,
+        borrow: bool = False,
     ) -> tuple[Any, int] | None:
         """See :meth:`HostTransportConnector.get`."""
         with self._lock:
-            r = self._get_locked(from_stage, to_stage, key, descriptor)
+            r = self._get_locked(from_stage, to_stage, key, descriptor, borrow)
         return None if r is ringmod.BUSY else r
 
     def get_with_deadline(
@@ -109,11 +110,12 @@ class Receiver:
         descriptor: dict[str, Any] | None = None,
         deadline: float | None = None,
         poll_interval_s: float = 0.0002,
+        borrow: bool = False,
     ) -> tuple[Any, int] | None:
         """See :meth:`HostTransportConnector.get_with_deadline`."""
         while True:
             with self._lock:
-                r = self._get_locked(from_stage, to_stage, key, descriptor)
+                r = self._get_locked(from_stage, to_stage, key, descriptor, borrow)
             if r is not None and r is not ringmod.BUSY:
                 return r
             if deadline is None or time.monotonic() >= deadline:
@@ -126,6 +128,7 @@ class Receiver:
         to_stage: Any,
         key: str,
         descriptor: dict[str, Any] | None,
+        borrow: bool = False,
     ) -> Any:
         shared = self._shared
         scope = shared.scope
@@ -192,7 +195,7 @@ class Receiver:
         # Per-key plane.
         token_now = scope.q[Q_PK_TOKEN]
         seg_name = _seg_name(edge.edge_hex, key)
-        res = perkey.claim_segment(scope.fd, seg_name, kh, self._codec)
+        res = perkey.claim_segment(scope.fd, seg_name, kh, self._codec, borrow)
         if res is perkey.BUSY:
             return ringmod.BUSY
         if res is perkey.CORRUPT:

@@ -160,8 +160,10 @@ def fetch(
         ref = RoutedExpertsRef.from_json(ref)
     else:
         ref.check()
+    # Borrowed: a large payload comes as the claimed segment's private
+    # mapping, not a copy (docs/benchmarks.md, "Routes by reference").
     got = _connector(ref.location).get_with_deadline(
-        EDGE[0], EDGE[1], ref.key, deadline=time.monotonic() + timeout_s
+        EDGE[0], EDGE[1], ref.key, deadline=time.monotonic() + timeout_s, borrow=True
     )
     if got is None:
         raise RouteRefMissingError(

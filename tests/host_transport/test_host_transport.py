@@ -199,6 +199,32 @@ def test_large_and_small_leaves_do_not_share_owner(make_conn):
     assert torch.equal(out["big"], big)
 
 
+def test_borrowed_array_maps_the_claimed_segment(make_conn):
+    """``get(borrow=True)``: a large array from a per-key segment is a view
+    of the claimed segment's private mapping (no copy), writable without
+    touching anything shared; the segment is gone once claimed; small
+    leaves and ring payloads are copies as always."""
+    c = make_conn(TINY_RING)
+    big = np.arange(1 << 20, dtype=np.int32).reshape(1024, 1024)  # 4 MiB
+    ok, _, _ = c.put("p", "c", "big", {"big": big, "small": np.arange(4)})
+    assert ok
+    segs = [n for n in os.listdir(c.scope_dir) if n.endswith(".seg")]
+    assert len(segs) == 1
+    out, _ = c.get("p", "c", "big", borrow=True)
+    assert not [n for n in os.listdir(c.scope_dir) if n.endswith(".seg")]
+    np.testing.assert_array_equal(out["big"], big)
+    base = out["big"]
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview)  # the mapping, not an owned copy
+    out["big"][0, 0] = -1  # private: writable, nothing shared changes
+    np.testing.assert_array_equal(out["small"], np.arange(4))
+    assert c.get("p", "c", "big", borrow=True) is None  # taken once
+    ok, _, _ = c.put("p", "c", "tiny", np.arange(8))  # fits the ring
+    got, _ = c.get("p", "c", "tiny", borrow=True)
+    np.testing.assert_array_equal(got, np.arange(8))
+
+
 # ------------------------------------------------------------------ the ring
 def test_ring_full_and_large_frame_fall_back_then_ring_reused(make_conn):
     c = make_conn(TINY_RING)
