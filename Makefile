@@ -70,6 +70,7 @@ $(DEPS_STAMP): requirements/$(BASE).txt requirements/fork.txt requirements/dev.t
 		echo "[setup] removing CUDA-linked torchvision/torchaudio/torchcodec (text models need none)"; \
 		$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER); fi; \
 	$(VPY) tools/cpu_harness/install_hook.py; \
+	bash tools/install_mooncake_libs.sh; \
 	echo '$(SETUP_CONFIG)' > $@
 
 demo: setup

@@ -53,6 +53,7 @@ import uuid
 
 import numpy as np
 
+from vllm.config.artifact import ArtifactConfig
 from vllm.distributed.artifact_connector.route_refs import RouteRefs
 from vllm.utils.routed_experts_codec import decode_routed_experts
 from vllm.utils.serial_utils import numpy2base64
@@ -166,7 +167,7 @@ def main() -> None:
         text=True,
         env=env,
     )
-    refs_out = RouteRefs(scope, 4 << 30, 600.0)
+    refs_out = RouteRefs(ArtifactConfig(ref_scope=scope, ref_max_bytes=4 << 30))
     result: dict = {
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),

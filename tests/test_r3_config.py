@@ -760,3 +760,17 @@ def test_explicit_private_shm_root_is_accepted(tiny_moe):
         assert cfg.artifact_config.shm_root == root
     finally:
         os.rmdir(root)
+
+
+@pytest.mark.parametrize("master", [None, "no-port", "10.0.0.5:port"])
+def test_rejects_mooncake_refs_without_a_master_address(tiny_moe, master):
+    cfg: dict = {"ref_transport": "mooncake"}
+    if master is not None:
+        cfg["mooncake_master"] = master
+    with _rejects('"mooncake_master": "10.0.0.5:50051"'):
+        _build_r3(tiny_moe, artifact_config=cfg)
+
+
+def test_rejects_an_unknown_routed_experts_format(tiny_moe):
+    with pytest.raises(ValueError, match="routed_experts_format"):
+        _build_r3(tiny_moe, artifact_config={"routed_experts_format": "npy"})

@@ -15,17 +15,26 @@ same user on that node turns the reference into the array::
 
 This module needs numpy, msgspec, xxhash and the transport's own modules,
 never vLLM or torch, so a trainer with another vLLM (or none) imports it.
+References of an engine serving ``ref_transport: mooncake`` name a Mooncake
+Store's master instead; fetching those also needs Mooncake's client
+(``mooncake-transfer-engine-non-cuda``), and works from any host that
+reaches the master (``VLLM_MOONCAKE_LOCAL_HOSTNAME``: this host's address
+for Mooncake's transfers, default ``127.0.0.1``).
 
-A payload is handed over once: the first ``fetch`` takes it, a second one
-finds it gone. Payloads nobody fetches are removed by the engine after its
-``ref_ttl_s``, when more than ``ref_max_bytes`` wait, and when it stops;
-``fetch`` then raises :class:`RouteRefMissingError`. A payload whose bytes
-do not match the reference raises :class:`RouteRefCorruptError`. Neither
-ever returns a partial array.
+A host-transport payload is handed over once: the first ``fetch`` takes
+it, a second one finds it gone; a Mooncake payload can be read until it is
+removed. Payloads nobody fetches are removed by the engine after its
+``ref_ttl_s``, when more than ``ref_max_bytes`` wait, and when it stops
+(Mooncake may also evict them under memory pressure); ``fetch`` then
+raises :class:`RouteRefMissingError`. A payload whose bytes do not match
+the reference raises :class:`RouteRefCorruptError`, a transport that
+cannot be reached :class:`RouteRefTransportError`. None of them ever
+returns a partial array.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -38,11 +47,12 @@ import xxhash  # type: ignore[import-not-found,unused-ignore]
 #: The host-transport edge an engine hands routes on: (from, to).
 EDGE = ("vllm-engine", "routed-experts")
 #: Transports a reference can name.
-TRANSPORTS = ("host",)
+TRANSPORTS = ("host", "mooncake")
 #: dtypes routes come in.
 DTYPES = ("uint8", "int16", "uint16", "int32")
 _KEY_RE = re.compile(r"[0-9a-f]{32}\Z")
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{16}\Z")
+_MASTER_RE = re.compile(r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}\Z")
 
 
 class RouteRefError(RuntimeError):
@@ -62,6 +72,11 @@ class RouteRefCorruptError(RouteRefError):
     """The payload's bytes do not match the reference."""
 
 
+class RouteRefTransportError(RouteRefError):
+    """The transport the reference names cannot be reached (a Mooncake
+    master down, a client that cannot join it)."""
+
+
 class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
     """Where a finished request's routes wait, and what they are.
 
@@ -72,9 +87,11 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
     request at a stop string or an abort after the engine computed more)."""
 
     transport: str
-    """``host``: the host transport of the engine's node."""
+    """``host``: the host transport of the engine's node; ``mooncake``: a
+    Mooncake Store."""
     location: str
-    """The host transport's scope the payload waits in."""
+    """``host``: the scope the payload waits in; ``mooncake``: the master's
+    ``host:port``."""
     key: str
     """The payload's key: 32 random hex characters, nothing derived from
     the request."""
@@ -110,6 +127,8 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
                 f"unknown transport {self.transport!r}; this client knows "
                 f"{', '.join(TRANSPORTS)}"
             )
+        if self.transport == "mooncake" and not _MASTER_RE.match(self.location):
+            raise RouteRefInvalidError("a Mooncake location must be host:port")
         if not isinstance(self.key, str) or not _KEY_RE.match(self.key):
             raise RouteRefInvalidError("key must be 32 lowercase hex characters")
         if not isinstance(self.checksum, str) or not _CHECKSUM_RE.match(self.checksum):
@@ -153,13 +172,26 @@ def _connector(scope: str) -> Any:
 def fetch(
     ref: RoutedExpertsRef | dict[str, Any] | str, timeout_s: float = 1.0
 ) -> np.ndarray:
-    """The routes behind ``ref`` as an owned ``[rows, layers, top_k]`` array,
-    verified against its checksum. Takes the payload (a second fetch of the
-    same reference raises :class:`RouteRefMissingError`)."""
+    """The routes behind ``ref`` as a ``[rows, layers, top_k]`` array of
+    this process's own, verified against its checksum. A host-transport
+    payload is taken (a second fetch of the same reference raises
+    :class:`RouteRefMissingError`)."""
     if not isinstance(ref, RoutedExpertsRef):
         ref = RoutedExpertsRef.from_json(ref)
     else:
         ref.check()
+    if ref.transport == "mooncake":
+        raw = _take_from_mooncake(ref)
+    else:
+        raw = _take_from_host(ref, timeout_s)
+    if checksum_hex(raw) != ref.checksum:
+        raise RouteRefCorruptError(f"routes {ref.key}: checksum mismatch")
+    rows, layers, top_k = ref.shape
+    stored = raw.view(ref.dtype).reshape(-1, layers, top_k)
+    return stored[:rows] if rows < stored.shape[0] else stored
+
+
+def _take_from_host(ref: RoutedExpertsRef, timeout_s: float) -> np.ndarray:
     # Borrowed: a large payload comes as the claimed segment's private
     # mapping, not a copy (docs/benchmarks.md, "Routes by reference").
     got = _connector(ref.location).get_with_deadline(
@@ -177,9 +209,60 @@ def fetch(
             f"routes {ref.key}: the payload is not the {ref.nbytes}-byte array "
             "the reference names"
         )
-    raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-    if checksum_hex(raw) != ref.checksum:
-        raise RouteRefCorruptError(f"routes {ref.key}: checksum mismatch")
-    rows, layers, top_k = ref.shape
-    stored = raw.view(ref.dtype).reshape(-1, layers, top_k)
-    return stored[:rows] if rows < stored.shape[0] else stored
+    return np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+
+
+_mooncake_clients: dict[str, Any] = {}
+
+
+def _mooncake(master: str) -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise RouteRefTransportError(
+            f"fetching from a Mooncake Store needs its client ({e}): pip install "
+            "mooncake-transfer-engine-non-cuda"
+        ) from e
+    with _connectors_lock:
+        store = _mooncake_clients.get(master)
+        if store is None:
+            store = MooncakeDistributedStore()
+            rc = store.setup(
+                os.environ.get("VLLM_MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"),
+                "P2PHANDSHAKE",
+                0,  # a reader contributes no memory to the pool
+                int(os.environ.get("VLLM_MOONCAKE_BUFFER_BYTES", 256 << 20)),
+                os.environ.get("VLLM_MOONCAKE_PROTOCOL", "tcp"),
+                "",
+                master,
+            )
+            if rc != 0:
+                raise RouteRefTransportError(
+                    f"cannot join the Mooncake Store of master {master} "
+                    f"(setup returned {rc})"
+                )
+            _mooncake_clients[master] = store
+        return store
+
+
+def _take_from_mooncake(ref: RoutedExpertsRef) -> np.ndarray:
+    store = _mooncake(ref.location)
+    data = store.get(ref.key)
+    if not data:
+        exists = store.is_exist(ref.key)
+        if exists == 0:
+            raise RouteRefMissingError(
+                f"routes {ref.key} are not in the Mooncake Store of master "
+                f"{ref.location}: removed after the engine's ref_ttl_s, evicted "
+                "under memory pressure, or the engine stopped"
+            )
+        raise RouteRefTransportError(
+            f"the Mooncake Store of master {ref.location} cannot be reached "
+            f"(is_exist returned {exists})"
+        )
+    if len(data) != ref.nbytes:
+        raise RouteRefCorruptError(
+            f"routes {ref.key}: {len(data)} bytes where the reference names "
+            f"{ref.nbytes}"
+        )
+    return np.frombuffer(bytearray(data), np.uint8)

@@ -6,6 +6,7 @@ each finished request, published through a same-node ``/dev/shm`` store."""
 import dataclasses
 import hashlib
 import os
+import re
 import uuid
 from typing import TYPE_CHECKING, Literal
 
@@ -117,6 +118,33 @@ class ArtifactConfig:
     ref_ttl_s: float = Field(default=DEFAULT_REF_TTL_S, gt=0)
     """Seconds a reference's routes wait to be fetched before they are
     removed."""
+
+    ref_transport: Literal["host", "mooncake"] = "host"
+    """Where references' routes wait: ``host``, this node's host transport
+    (a consumer on this node); ``mooncake``, a Mooncake Store
+    (``mooncake_master``), which consumers on any host that reaches its
+    master fetch from (``pip install mooncake-transfer-engine-non-cuda``)."""
+
+    mooncake_master: str | None = None
+    """``host:port`` of the Mooncake master, for ``ref_transport: mooncake``."""
+
+    mooncake_protocol: str = "tcp"
+    """Mooncake's transfer protocol (``tcp``, or ``rdma`` where the node has
+    it)."""
+
+    mooncake_local_hostname: str = "127.0.0.1"
+    """The address under which this engine's Mooncake segment is reached by
+    the consumers (its host name or IP on their network; loopback serves
+    consumers on this node only)."""
+
+    mooncake_segment_bytes: int = Field(default=1 << 30, gt=0)
+    """Bytes of memory this engine contributes to the Mooncake Store (the
+    routes it hands out live there until fetched, removed after
+    ``ref_ttl_s``, or evicted by Mooncake under pressure)."""
+
+    mooncake_buffer_bytes: int = Field(default=256 << 20, gt=0)
+    """Bytes of this engine's Mooncake transfer buffer (at least the largest
+    response's routes)."""
 
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     """Identifies this engine's store. Generated: a fresh one is drawn for
@@ -293,6 +321,25 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
             "set --artifact-config "
             f"""'{{"inactive_ttl_s": {MIN_INACTIVE_TTL_S:g}}}' or more""",
         )
+    if cfg.ref_transport == "mooncake":
+        if not cfg.mooncake_master or not re.fullmatch(
+            r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}", cfg.mooncake_master
+        ):
+            reject(
+                "with ref_transport mooncake needs the Mooncake master's address "
+                f"as host:port, got mooncake_master {cfg.mooncake_master!r}",
+                """set --artifact-config '{"ref_transport": "mooncake", """
+                """"mooncake_master": "10.0.0.5:50051"}'""",
+            )
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as e:
+            reject(
+                f"with ref_transport mooncake needs Mooncake's client ({e})",
+                "pip install mooncake-transfer-engine-non-cuda (and, on Debian, "
+                "apt-get install libibverbs1 librdmacm1 liburing2), or use "
+                'ref_transport "host"',
+            )
     routed_experts_row_spec(vllm_config)  # the dtype fits the experts
     # Last: it may create a directory (a fresh root).
     _resolve_shm_root(cfg)

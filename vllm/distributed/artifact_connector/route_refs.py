@@ -4,17 +4,21 @@
 
 For a request with ``routed_experts_format="ref"`` the route reader does
 not return the array to the scheduler: it hands it to :class:`RouteRefs`,
-which puts it into the node's host transport under a fresh random key (in
-the scope the consumer named, ``ref_scope``) and gives back the
-:class:`~vllm_host_transport.routed_experts.RoutedExpertsRef` that the
-request's output carries instead. The array never crosses the engine's
-output socket or the API server.
+which puts it under a fresh random key where the consumer fetches it and
+gives back the :class:`~vllm_host_transport.routed_experts.RoutedExpertsRef`
+that the request's output carries instead. The array never crosses the
+engine's output socket or the API server. Two places (``ref_transport``):
+
+* ``host``: this node's host transport, in the scope ``ref_scope``
+  (:class:`_HostSink`); a consumer takes the payload once;
+* ``mooncake``: a Mooncake Store (:class:`_MooncakeSink`): consumers on any
+  host that reaches its master read it until it is removed.
 
 What nobody fetches is bounded: a payload leaves after ``ref_ttl_s``, the
 oldest ones leave while more than ``ref_max_bytes`` wait, and everything
-left goes when the engine stops (the transport removes its segments). A
-payload that was fetched is gone already; retiring it again is a no-op.
-Used by the route reader's thread only; counters are read by the engine's.
+left goes when the engine stops. Retiring a payload that was fetched is a
+no-op. Used by the route reader's thread only; counters are read by the
+engine's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import collections
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,11 +40,91 @@ from vllm_host_transport import (
 )
 from vllm_host_transport.routed_experts import EDGE, RoutedExpertsRef, checksum_hex
 
+if TYPE_CHECKING:
+    from vllm.config.artifact import ArtifactConfig
+
 logger = init_logger(__name__)
 
 
 class RouteRefPublishError(ArtifactError):
-    """Routes could not be handed to the host transport."""
+    """Routes could not be handed out by reference."""
+
+
+class _HostSink:
+    """The host transport of this node."""
+
+    transport = "host"
+
+    def __init__(self, scope: str | None) -> None:
+        try:
+            self._conn = HostTransportConnector(HostTransportConfig(scope=scope))
+        except (HostTransportError, OSError, ValueError) as e:
+            raise RouteRefPublishError(
+                f"cannot open the host transport for routed-experts references "
+                f"(ref_scope {scope!r}): {e}"
+            ) from e
+        self.location = self._conn.scope_name
+
+    def put(self, key: str, rows: np.ndarray) -> None:
+        try:
+            ok, _, _ = self._conn.put(EDGE[0], EDGE[1], key, rows)
+        except HostTransportError as e:
+            raise RouteRefPublishError(f"the host transport failed: {e}") from e
+        if not ok:
+            raise RouteRefPublishError(
+                f"the host transport (scope {self.location!r}) refused a "
+                f"{rows.nbytes}-byte payload; see the engine log"
+            )
+
+    def retire(self, key: str) -> bool:
+        return self._conn.cleanup(key)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _MooncakeSink:
+    """A Mooncake Store, reached through its master."""
+
+    transport = "mooncake"
+
+    def __init__(self, cfg: ArtifactConfig) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise RouteRefPublishError(f"Mooncake's client is missing: {e}") from e
+        self.location = str(cfg.mooncake_master)
+        self._store: Any = MooncakeDistributedStore()
+        rc = self._store.setup(
+            cfg.mooncake_local_hostname,
+            "P2PHANDSHAKE",
+            cfg.mooncake_segment_bytes,
+            cfg.mooncake_buffer_bytes,
+            cfg.mooncake_protocol,
+            "",
+            self.location,
+        )
+        if rc != 0:
+            raise RouteRefPublishError(
+                f"cannot join the Mooncake Store of master {self.location} "
+                f"(setup returned {rc}); is mooncake_master running there?"
+            )
+
+    def put(self, key: str, rows: np.ndarray) -> None:
+        rc = self._store.put(key, rows.reshape(-1).view(np.uint8).data)
+        if rc != 0:
+            raise RouteRefPublishError(
+                f"the Mooncake Store (master {self.location}) refused a "
+                f"{rows.nbytes}-byte payload (put returned {rc})"
+            )
+
+    def retire(self, key: str) -> bool:
+        # Fails while a reader's lease holds the object; Mooncake's own
+        # eviction still bounds what stays.
+        return self._store.remove(key) == 0
+
+    def close(self) -> None:
+        self._store.close()
 
 
 @dataclass(slots=True)
@@ -52,22 +137,19 @@ class _Waiting:
 class RouteRefs:
     """See the module docs."""
 
-    def __init__(self, scope: str | None, max_bytes: int, ttl_s: float) -> None:
-        self._max_bytes = max_bytes
-        self._ttl_s = ttl_s
+    def __init__(self, cfg: ArtifactConfig) -> None:
+        self._max_bytes = cfg.ref_max_bytes
+        self._ttl_s = cfg.ref_ttl_s
         # Payloads never seen to go, oldest first.
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self.waiting_bytes = 0
         self.published = 0
         self.expired = 0
-        try:
-            self._conn = HostTransportConnector(HostTransportConfig(scope=scope))
-        except (HostTransportError, OSError, ValueError) as e:
-            raise RouteRefPublishError(
-                f"cannot open the host transport for routed-experts references "
-                f"(ref_scope {scope!r}): {e}"
-            ) from e
-        self.scope = self._conn.scope_name
+        self._sink: _HostSink | _MooncakeSink = (
+            _MooncakeSink(cfg)
+            if cfg.ref_transport == "mooncake"
+            else _HostSink(cfg.ref_scope)
+        )
 
     def publish(self, rows: np.ndarray, prompt_start: int) -> RoutedExpertsRef:
         """Put ``rows`` (an owned ``[rows, layers, top_k]`` array) under a
@@ -82,21 +164,13 @@ class RouteRefs:
         while self._waiting and self.waiting_bytes + rows.nbytes > self._max_bytes:
             self._retire(self._waiting.popleft())
         key = secrets.token_hex(16)
-        try:
-            ok, _, _ = self._conn.put(EDGE[0], EDGE[1], key, rows)
-        except HostTransportError as e:
-            raise RouteRefPublishError(f"the host transport failed: {e}") from e
-        if not ok:
-            raise RouteRefPublishError(
-                f"the host transport (scope {self.scope!r}) refused a "
-                f"{rows.nbytes}-byte payload; see the engine log"
-            )
+        self._sink.put(key, rows)
         self._waiting.append(_Waiting(key, rows.nbytes, time.monotonic() + self._ttl_s))
         self.waiting_bytes += rows.nbytes
         self.published += 1
         return RoutedExpertsRef(
-            transport="host",
-            location=self.scope,
+            transport=self._sink.transport,
+            location=self._sink.location,
             key=key,
             shape=(rows.shape[0], rows.shape[1], rows.shape[2]),
             dtype=rows.dtype.name,
@@ -121,10 +195,14 @@ class RouteRefs:
 
     def _retire(self, w: _Waiting) -> None:
         self.waiting_bytes -= w.nbytes
-        if self._conn.cleanup(w.key):  # False: fetched already
+        if self._sink.retire(w.key):  # False: fetched already
             self.expired += 1
 
     def close(self) -> None:
+        """Remove everything still waiting (the engine stops)."""
+        if self._sink.transport == "mooncake":
+            for w in self._waiting:
+                self._sink.retire(w.key)
         self._waiting.clear()
         self.waiting_bytes = 0
-        self._conn.close()
+        self._sink.close()

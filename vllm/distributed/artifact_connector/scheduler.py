@@ -100,7 +100,7 @@ class ArtifactSchedulerConnector:
         self._reads = RouteReader(
             ShmStoreReader(cfg.shm_root, namespace),
             self.spec,
-            lambda: RouteRefs(cfg.ref_scope, cfg.ref_max_bytes, cfg.ref_ttl_s),
+            lambda: RouteRefs(cfg),
         )
         self._step_empty = False
         self._records: dict[str, RequestRecord] = {}

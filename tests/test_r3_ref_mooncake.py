@@ -1,0 +1,235 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Routes by reference through a Mooncake Store (``ref_transport:
+mooncake``): a real ``mooncake_master`` on 127.0.0.1 (TCP), a real ``LLM``
+that puts each ``ref`` request's routes into the store, and a consumer
+process that imports only ``vllm_host_transport.routed_experts`` and
+Mooncake's client (never vLLM or torch) and fetches them by key. Arrays are
+checked against transformers' router in float32; the master stopped and
+restarted under the engine gives typed errors, and the engine keeps
+serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from utils.oracle import expected_r3
+from utils.r3 import PROMPTS, engine_kwargs, greedy
+
+pytestmark = pytest.mark.engine
+
+mooncake = pytest.importorskip(
+    "mooncake.store", reason="Mooncake's client is installed by `make setup`"
+)
+
+REPO = Path(__file__).resolve().parent.parent
+MASTER = Path(sys.executable).parent / "mooncake_master"
+
+CONSUMER = r"""
+import json, sys
+import numpy as np
+from vllm_host_transport.routed_experts import RouteRefError, fetch
+for line in sys.stdin:
+    job = json.loads(line)
+    try:
+        routes = fetch(job["ref"])
+    except RouteRefError as e:
+        answer = {"error": type(e).__name__, "message": str(e)}
+    else:
+        np.save(job["out"], routes)
+        answer = {"ok": True}
+    answer["loaded"] = sorted(
+        m for m in sys.modules if m.split(".")[0] in ("vllm", "torch")
+    )
+    print(json.dumps(answer), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    """A ``mooncake_master`` process on 127.0.0.1 (stop and start again on
+    the same port)."""
+
+    def __init__(self, log: Path) -> None:
+        self.port = _free_port()
+        self.metrics_port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(MASTER), f"--rpc_port={self.port}",
+                 f"--metrics_port={self.metrics_port}"],
+                stdout=log, stderr=log,
+            )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            assert self.proc.poll() is None, "mooncake_master exited"
+            assert time.monotonic() < deadline, "mooncake_master did not listen"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def master():
+    os.environ["MC_FORCE_TCP"] = "true"  # loopback TCP, no RDMA device
+    log = REPO / ".cache" / "logs" / "mooncake-master.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    m = Master(log)
+    m.start()
+    yield m
+    m.stop()
+    os.environ.pop("MC_FORCE_TCP", None)
+
+
+class Consumer:
+    def __init__(self, tmp: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CONSUMER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # Mooncake's own logging
+            text=True,
+            env=env,
+            cwd=tmp,
+        )
+        self.tmp = tmp
+        self.n = 0
+
+    def fetch(self, ref: dict) -> np.ndarray | str:
+        self.n += 1
+        out = str(self.tmp / f"routes-{self.n}.npy")
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"ref": ref, "out": out}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        assert answer["loaded"] == [], f"the consumer imported {answer['loaded']}"
+        if "error" in answer:
+            return answer["error"]
+        routes = np.load(out)
+        os.unlink(out)
+        return routes
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def consumer(tmp_path_factory, master):
+    c = Consumer(tmp_path_factory.mktemp("mooncake-consumer"))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_moe, master):
+    from vllm import LLM
+
+    kwargs = engine_kwargs(tiny_moe)
+    kwargs["artifact_config"].update(
+        routed_experts_format="ref",
+        ref_transport="mooncake",
+        mooncake_master=master.address,
+        mooncake_segment_bytes=64 << 20,
+        mooncake_buffer_bytes=32 << 20,
+    )
+    engine = LLM(**kwargs)
+    yield engine
+    engine.llm_engine.engine_core.shutdown(timeout=30)
+    del engine
+
+
+def _one(llm, prompt, **kw):
+    (out,) = llm.generate([prompt], greedy(8, **kw), use_tqdm=False)
+    return out
+
+
+def _assert_exact(consumer, tiny_moe, out) -> None:
+    c = out.outputs[0]
+    assert c.routed_experts is None and c.routed_experts_error is None
+    ref = c.routed_experts_ref
+    assert ref.transport == "mooncake"
+    got = consumer.fetch(ref.to_json())
+    assert isinstance(got, np.ndarray), got
+    np.testing.assert_array_equal(
+        got, expected_r3(tiny_moe, out.prompt_token_ids, c.token_ids)
+    )
+    assert got.any()
+
+
+def test_routes_through_mooncake_equal_the_router(llm, consumer, tiny_moe):
+    a = _one(llm, PROMPTS[0])
+    _assert_exact(consumer, tiny_moe, a)
+    _assert_exact(consumer, tiny_moe, a)  # readable until removed
+    b = _one(llm, PROMPTS[1], routed_experts_prompt_start=5)
+    ref = b.outputs[0].routed_experts_ref
+    assert ref.prompt_start == 5
+    got = consumer.fetch(ref.to_json())
+    want = expected_r3(tiny_moe, b.prompt_token_ids, b.outputs[0].token_ids)
+    np.testing.assert_array_equal(got, want[5:])
+    # An object the store does not have (evicted, removed): a typed error.
+    gone = dict(ref.to_json(), key="0" * 32)
+    assert consumer.fetch(gone) == "RouteRefMissingError"
+    # Inline on request, from the same engine.
+    inline = _one(llm, PROMPTS[2], routed_experts_format="inline")
+    assert inline.outputs[0].routed_experts_ref is None
+    np.testing.assert_array_equal(
+        inline.outputs[0].routed_experts,
+        expected_r3(tiny_moe, inline.prompt_token_ids, inline.outputs[0].token_ids),
+    )
+
+
+def test_master_down_and_restarted(llm, consumer, master, tiny_moe):
+    before = _one(llm, PROMPTS[3])
+    master.stop()
+    # The engine cannot hand the routes out: the request says why, typed.
+    down = _one(llm, PROMPTS[4])
+    assert down.outputs[0].routed_experts_ref is None
+    assert down.outputs[0].routed_experts_error.startswith("RouteRefPublishError"), (
+        down.outputs[0].routed_experts_error
+    )
+    # The consumer cannot reach the store: typed, never a partial array.
+    assert consumer.fetch(before.outputs[0].routed_experts_ref.to_json()) in (
+        "RouteRefTransportError",
+        "RouteRefMissingError",
+    )
+    # The engine keeps serving (inline routes need no store of Mooncake's).
+    ok = _one(llm, PROMPTS[0], routed_experts_format="inline")
+    assert ok.outputs[0].routed_experts is not None
+    master.start()
+    # Once the engine's client is back in (it reconnects on its own), refs
+    # flow again; what the old master held is gone.
+    deadline = time.monotonic() + 60
+    while True:
+        again = _one(llm, PROMPTS[1])
+        if again.outputs[0].routed_experts_ref is not None:
+            break
+        assert time.monotonic() < deadline, again.outputs[0].routed_experts_error
+        time.sleep(1.0)
+    _assert_exact(consumer, tiny_moe, again)
