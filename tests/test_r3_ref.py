@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Routes by reference (``routed_experts_format="ref"``) through the same-node
-host transport: a real ``vllm serve`` and a real ``LLM``, and a separate
-consumer process that imports ``vllm_host_transport.routed_experts`` only
-(it checks that neither vLLM nor torch is loaded) and fetches each
+"""Routes by reference (``routed_experts_format="ref"``): a real ``vllm
+serve`` (once with the same-node host transport, once with a Mooncake Store
+behind a real ``mooncake_master``), a real ``LLM``, and a separate consumer
+process that imports ``vllm_host_transport.routed_experts`` (and Mooncake's
+client) only, checks that neither vLLM nor torch is loaded, and fetches each
 reference. Every fetched array is checked against transformers' router in
 float32."""
 
@@ -63,10 +64,12 @@ class Consumer:
 
     def __init__(self, tmp: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["MC_FORCE_TCP"] = "true"  # Mooncake over loopback TCP
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CONSUMER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # Mooncake's own logging
             text=True,
             env=env,
             cwd=tmp,
@@ -110,7 +113,8 @@ def _scope_name(scope: str) -> str:
 
 def _assert_ref_exact(consumer, tiny_moe, ref, prompt_ids, token_ids, first_row=0):
     assert ref is not None
-    assert ref["transport"] == "host" and ref["prompt_start"] == first_row
+    assert ref["transport"] in ("host", "mooncake")
+    assert ref["prompt_start"] == first_row
     got = consumer.fetch(ref)
     assert isinstance(got, np.ndarray), got
     want = expected_r3(tiny_moe, prompt_ids, token_ids)[first_row:]
@@ -126,16 +130,51 @@ def scope():
     return f"r3ref-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_moe, scope):
+@pytest.fixture(scope="module", params=["host", "mooncake"])
+def server(request, tiny_moe, scope):
     root = shm_root()
-    flags = serve_flags(
-        root, routed_experts_format="ref", ref_scope=scope, ref_ttl_s=TTL_S
-    )
-    with r3_server(tiny_moe, flags, root, "test-r3-ref.log") as srv:
-        yield srv
-    # Everything the engine handed out is removed when it stops.
-    assert not os.path.exists(os.path.join("/dev/shm", _scope_name(scope)))
+    artifact = dict(routed_experts_format="ref", ref_scope=scope, ref_ttl_s=TTL_S)
+    master = None
+    if request.param == "mooncake":
+        pytest.importorskip(
+            "mooncake.store", reason="Mooncake's client is installed by `make setup`"
+        )
+        from utils.mooncake import Master
+
+        os.environ["MC_FORCE_TCP"] = "true"  # loopback TCP, no RDMA device
+        master = Master(REPO / ".cache" / "logs" / "mooncake-master-http.log")
+        master.start()
+        artifact.update(
+            ref_transport="mooncake",
+            mooncake_master=master.address,
+            mooncake_segment_bytes=64 << 20,
+            mooncake_buffer_bytes=32 << 20,
+        )
+    flags = serve_flags(root, **artifact)
+    try:
+        with r3_server(
+            tiny_moe, flags, root, f"test-r3-ref-{request.param}.log"
+        ) as srv:
+            srv.transport = request.param
+            yield srv
+    finally:
+        if master is not None:
+            master.stop()
+            os.environ.pop("MC_FORCE_TCP", None)
+    # Everything the engine handed out is removed when it stops (the scope
+    # itself stays while the consumer holds it open).
+    _assert_no_payloads_left(scope)
+
+
+def _assert_no_payloads_left(scope: str) -> None:
+    path = os.path.join("/dev/shm", _scope_name(scope))
+    left = os.listdir(path) if os.path.exists(path) else []
+    assert [n for n in left if n.startswith("ring-") or n.endswith(".seg")] == []
+
+
+def _host_only(server) -> None:
+    if server.transport != "host":
+        pytest.skip("host-transport semantics (taken once, the scope's files)")
 
 
 def _post(server, path, body):
@@ -327,6 +366,7 @@ def _generated(server, _seen: dict = {}) -> bool:  # noqa: B006
 
 
 def test_a_reference_is_taken_once_and_expires_unfetched(server, consumer, tiny_moe):
+    _host_only(server)
     a = _completion(server, PROMPTS[0])["choices"][0]
     b = _completion(server, PROMPTS[1])["choices"][0]
     _assert_ref_exact(
@@ -360,6 +400,7 @@ def _metric(server, name: str) -> float:
 
 
 def test_a_corrupted_payload_is_a_typed_error(server, consumer, scope, tiny_moe):
+    _host_only(server)
     c = _completion(server, PROMPTS[5])["choices"][0]
     want = expected_r3(tiny_moe, c["prompt_token_ids"], c["token_ids"])
     want = want.astype(np.uint8).tobytes()
@@ -432,6 +473,4 @@ def test_offline_references_bounded_in_bytes(tiny_moe, consumer):
         del llm
     # The engine's ring and unfetched segments are gone; the scope itself
     # stays while the consumer holds it open (its close removes it).
-    path = os.path.join("/dev/shm", _scope_name(scope))
-    left = os.listdir(path) if os.path.exists(path) else []
-    assert [n for n in left if n.startswith("ring-") or n.endswith(".seg")] == []
+    _assert_no_payloads_left(scope)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from utils.mooncake import Master
 from utils.oracle import expected_r3
 from utils.r3 import PROMPTS, engine_kwargs, greedy
 
@@ -31,7 +31,6 @@ mooncake = pytest.importorskip(
 )
 
 REPO = Path(__file__).resolve().parent.parent
-MASTER = Path(sys.executable).parent / "mooncake_master"
 
 CONSUMER = r"""
 import json, sys
@@ -51,46 +50,6 @@ for line in sys.stdin:
     )
     print(json.dumps(answer), flush=True)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Master:
-    """A ``mooncake_master`` process on 127.0.0.1 (stop and start again on
-    the same port)."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = _free_port()
-        self.metrics_port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log = log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [str(MASTER), f"--rpc_port={self.port}",
-                 f"--metrics_port={self.metrics_port}"],
-                stdout=log, stderr=log,
-            )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            assert self.proc.poll() is None, "mooncake_master exited"
-            assert time.monotonic() < deadline, "mooncake_master did not listen"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        self.proc = None
 
 
 @pytest.fixture(scope="module")
