@@ -16,9 +16,12 @@ together. Each side runs the code the server runs:
 * ref: the engine core's route reader hands the array to ``RouteRefs``
   (``publish``: a copy into the host transport, its checksum); the API
   server serialises the reference to JSON; a separate consumer process, which
-  never imports vLLM or torch, parses it and calls ``fetch`` (claim, copy
-  out, checksum); the consumer's later release of the arrays (with a
-  borrowed segment, unmapping and freeing its pages) is timed apart.
+  never imports vLLM or torch, parses it and calls ``fetch`` (claim, borrowed
+  mapping, checksum); its later release of the arrays (unmapping and freeing
+  the segment's pages) is timed apart;
+* mooncake: the same through a Mooncake Store (``ref_transport:
+  mooncake``) behind a real ``mooncake_master`` on 127.0.0.1 (TCP), started
+  by this script when Mooncake is installed.
 
 "client" is the time from the end of the request's compute to the numpy
 array in the client's hands, the sum of the stages above (the HTTP transfer
@@ -149,6 +152,45 @@ def ref_once(refs_out: RouteRefs, consumer, arrays: list[np.ndarray]) -> dict:
     }
 
 
+def start_mooncake() -> tuple[subprocess.Popen | None, RouteRefs | None]:
+    """A ``mooncake_master`` and the engine side's Mooncake sink, or
+    ``(None, None)`` when Mooncake is not installed."""
+    import socket
+
+    master_bin = Path(sys.executable).parent / "mooncake_master"
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return None, None
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    os.environ["MC_FORCE_TCP"] = "true"
+    master = subprocess.Popen(
+        [str(master_bin), f"--rpc_port={ports[0]}", f"--metrics_port={ports[1]}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", ports[0])) == 0:
+                break
+        if time.monotonic() > deadline:
+            raise RuntimeError("mooncake_master did not listen")
+        time.sleep(0.05)
+    cfg = ArtifactConfig(
+        ref_transport="mooncake",
+        mooncake_master=f"127.0.0.1:{ports[0]}",
+        mooncake_segment_bytes=2 << 30,
+        mooncake_buffer_bytes=64 << 20,
+        ref_max_bytes=4 << 30,
+    )
+    return master, RouteRefs(cfg)
+
+
 def median_of(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -160,14 +202,17 @@ def main() -> None:
     args = ap.parse_args()
     scope = f"bench-ref-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["MC_FORCE_TCP"] = "true"
     consumer = subprocess.Popen(
         [sys.executable, "-c", CONSUMER],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # Mooncake's own logging
         text=True,
         env=env,
     )
     refs_out = RouteRefs(ArtifactConfig(ref_scope=scope, ref_max_bytes=4 << 30))
+    master, mooncake_out = start_mooncake()
     result: dict = {
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -182,6 +227,13 @@ def main() -> None:
             reps = args.reps if n == 1 else max(1, args.reps // 2)
             inline = median_of([inline_once(arrays) for _ in range(reps)])
             ref = median_of([ref_once(refs_out, consumer, arrays) for _ in range(reps)])
+            mc = (
+                median_of(
+                    [ref_once(mooncake_out, consumer, arrays) for _ in range(reps)]
+                )
+                if mooncake_out is not None
+                else None
+            )
             copy = sum(memcpy_s(a, 20) for a in arrays[:8]) * n / min(n, 8)
             result[name] = {
                 "requests": n,
@@ -193,12 +245,21 @@ def main() -> None:
                 "ref_client_over_memcpy": ref["client_s"] / copy,
                 "ref_fetch_over_memcpy": ref["client_fetch_s"] / copy,
                 "api_bytes_inline_over_ref": inline["api_bytes"] / ref["api_bytes"],
+                "mooncake": mc,
+                "mooncake_fetch_over_memcpy": (
+                    mc["client_fetch_s"] / copy if mc is not None else None
+                ),
             }
     finally:
         assert consumer.stdin is not None
         consumer.stdin.close()
         consumer.wait(timeout=60)
         refs_out.close()
+        if mooncake_out is not None:
+            mooncake_out.close()
+        if master is not None:
+            master.terminate()
+            master.wait(timeout=30)
     result["load_end"] = os.getloadavg()
     print(json.dumps(result, indent=1))
 
