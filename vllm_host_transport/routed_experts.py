@@ -34,6 +34,7 @@ returns a partial array.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import threading
@@ -155,6 +156,20 @@ def checksum_hex(data: Any) -> str:
 
 _connectors: dict[str, Any] = {}
 _connectors_lock = threading.Lock()
+
+
+def close() -> None:
+    """Let go of the transports ``fetch`` opened (also run at exit): the
+    last process to leave a host-transport scope removes it."""
+    with _connectors_lock:
+        conns = list(_connectors.values()) + list(_mooncake_clients.values())
+        _connectors.clear()
+        _mooncake_clients.clear()
+    for conn in conns:
+        conn.close()
+
+
+atexit.register(close)
 
 
 def _connector(scope: str) -> Any:
