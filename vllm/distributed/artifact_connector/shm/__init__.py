@@ -25,7 +25,7 @@ One module per job:
   collection of stale stores.
 
 Safe file handling is shared with the host transport
-(:mod:`vllm.distributed.safe_fs`).
+(:mod:`vllm_host_transport.safe_fs`).
 """
 
 from vllm.distributed.artifact_connector.shm.collect import (
