@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,70 +30,12 @@ from utils.r3 import (
     serve_flags,
     shm_root,
 )
+from utils.routes_consumer import Consumer
 
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parent.parent
 TTL_S = 3.0
-
-# The trainer's side: one process for the whole module, fed one reference
-# per line; it answers with the fetched array's file or the error's type.
-CONSUMER = r"""
-import json, sys
-import numpy as np
-from vllm_host_transport.routed_experts import RouteRefError, fetch
-for line in sys.stdin:
-    job = json.loads(line)
-    try:
-        routes = fetch(job["ref"])
-    except RouteRefError as e:
-        answer = {"error": type(e).__name__, "message": str(e)}
-    else:
-        np.save(job["out"], routes)
-        answer = {"ok": True}
-    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch"))
-    answer["loaded"] = loaded
-    print(json.dumps(answer), flush=True)
-"""
-
-
-class Consumer:
-    """A trainer process next to the engine (same user, same node)."""
-
-    def __init__(self, tmp: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["MC_FORCE_TCP"] = "true"  # Mooncake over loopback TCP
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CONSUMER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # Mooncake's own logging
-            text=True,
-            env=env,
-            cwd=tmp,
-        )
-        self.tmp = tmp
-        self.n = 0
-
-    def fetch(self, ref: dict) -> np.ndarray | str:
-        """The array, or the name of the error ``fetch`` raised."""
-        self.n += 1
-        out = str(self.tmp / f"routes-{self.n}.npy")
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"ref": ref, "out": out}) + "\n")
-        self.proc.stdin.flush()
-        answer = json.loads(self.proc.stdout.readline())
-        assert answer["loaded"] == [], f"the consumer imported {answer['loaded']}"
-        if "error" in answer:
-            return answer["error"]
-        routes = np.load(out)
-        os.unlink(out)
-        return routes
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

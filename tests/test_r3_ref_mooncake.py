@@ -11,10 +11,7 @@ serving."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import pytest
 from utils.mooncake import Master
 from utils.oracle import expected_r3
 from utils.r3 import PROMPTS, engine_kwargs, greedy
+from utils.routes_consumer import Consumer
 
 pytestmark = pytest.mark.engine
 
@@ -31,25 +29,6 @@ mooncake = pytest.importorskip(
 )
 
 REPO = Path(__file__).resolve().parent.parent
-
-CONSUMER = r"""
-import json, sys
-import numpy as np
-from vllm_host_transport.routed_experts import RouteRefError, fetch
-for line in sys.stdin:
-    job = json.loads(line)
-    try:
-        routes = fetch(job["ref"])
-    except RouteRefError as e:
-        answer = {"error": type(e).__name__, "message": str(e)}
-    else:
-        np.save(job["out"], routes)
-        answer = {"ok": True}
-    answer["loaded"] = sorted(
-        m for m in sys.modules if m.split(".")[0] in ("vllm", "torch")
-    )
-    print(json.dumps(answer), flush=True)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -62,41 +41,6 @@ def master():
     yield m
     m.stop()
     os.environ.pop("MC_FORCE_TCP", None)
-
-
-class Consumer:
-    def __init__(self, tmp: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CONSUMER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # Mooncake's own logging
-            text=True,
-            env=env,
-            cwd=tmp,
-        )
-        self.tmp = tmp
-        self.n = 0
-
-    def fetch(self, ref: dict) -> np.ndarray | str:
-        self.n += 1
-        out = str(self.tmp / f"routes-{self.n}.npy")
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"ref": ref, "out": out}) + "\n")
-        self.proc.stdin.flush()
-        answer = json.loads(self.proc.stdout.readline())
-        assert answer["loaded"] == [], f"the consumer imported {answer['loaded']}"
-        if "error" in answer:
-            return answer["error"]
-        routes = np.load(out)
-        os.unlink(out)
-        return routes
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
