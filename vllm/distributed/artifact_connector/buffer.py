@@ -310,12 +310,6 @@ class AttemptRows:
         self._pages_changed()
         self.end = end
 
-    def place_one(self, row: int, weight_version: str) -> int:
-        """:meth:`place` for one row: its index in the slab viewed as
-        ``[num_pages * block_size, L, K]`` rows."""
-        ((page, off, _),) = self.place(row, 1, weight_version)
-        return page * self.slab.block_size + off
-
     def take_blocks(
         self, hashes: dict[int, bytes]
     ) -> list[tuple[int, int, str, bytes]]:

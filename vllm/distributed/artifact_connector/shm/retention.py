@@ -16,12 +16,9 @@ class Retention:
         self._held: dict[str, set[str]] = {}  # owner -> keys it holds
 
     def retain(self, owner: str, keys: Iterable[str]) -> None:
-        held = self._held.setdefault(owner, set())
-        counts = self._count
-        for key in keys:
-            if key not in held:
-                held.add(key)
-                counts[key] = counts.get(key, 0) + 1
+        self._held.setdefault(owner, set())  # an owner, even with no keys
+        keys = list(keys)
+        self.retain_each([owner] * len(keys), keys)
 
     def retain_each(self, owners: list[str], keys: list[str]) -> None:
         """Owner ``owners[i]`` retains ``keys[i]`` (a batch's objects)."""
