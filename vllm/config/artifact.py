@@ -35,6 +35,11 @@ RoutedExpertsDtype = Literal["auto", "uint16", "int32"]
 # the role kv_both. Prefix hits they serve are ordinary local hits.
 LOCAL_KV_CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
 
+# Key-value connectors that load KV other engines computed, in any role (a
+# shared KV pool, a prefill engine handing KV to a decode engine): their hits
+# need the routes those engines published, so they need backend mooncake.
+SHARED_KV_CONNECTORS = ("ExampleConnector",)
+
 # MoE architectures that run a FusedMoE on a subset of the batch's tokens:
 # the base's capturer writes the subset's routes to the first rows of the
 # step, so the rows of the other tokens are wrong.
@@ -70,9 +75,20 @@ class ArtifactConfig:
     executed token in every decoder layer (``[N - 1, num_hidden_layers,
     top_k]``; layers without a router are zero rows)."""
 
-    backend: Literal["shm"] = "shm"
+    backend: Literal["shm", "mooncake"] = "shm"
     """Where routes are published: ``shm``, a same-node store under
-    ``/dev/shm``."""
+    ``/dev/shm``, private to this engine; ``mooncake``, that store with a
+    Mooncake Store (``mooncake_master``) behind it, shared by every engine of
+    ``key_space``, so that a prefix hit on KV another engine computed (a KV
+    pool shared through ``ExampleConnector`` storage, a prefill engine's KV)
+    finds that engine's routes."""
+
+    key_space: str | None = None
+    """Name of the engines that share routes (``backend: mooncake``; needed
+    there). Their keys are comparable only if they hash blocks alike: same
+    model, ``--prefix-caching-hash-algo``, ``PYTHONHASHSEED`` and
+    ``--block-size``; the first engine records these in the store and an
+    engine that differs refuses to start."""
 
     shm_root: str = Field(default_factory=lambda: default_shm_root())
     """Directory of the store, strictly under ``/dev/shm`` (created 0700).
@@ -126,7 +142,8 @@ class ArtifactConfig:
     master fetch from (``pip install mooncake-transfer-engine-non-cuda``)."""
 
     mooncake_master: str | None = None
-    """``host:port`` of the Mooncake master, for ``ref_transport: mooncake``."""
+    """``host:port`` of the Mooncake master, for ``backend: mooncake`` and
+    ``ref_transport: mooncake``."""
 
     mooncake_protocol: str = "tcp"
     """Mooncake's transfer protocol (``tcp``, or ``rdma`` where the node has
@@ -138,9 +155,11 @@ class ArtifactConfig:
     consumers on this node only)."""
 
     mooncake_segment_bytes: int = Field(default=1 << 30, gt=0)
-    """Bytes of memory this engine contributes to the Mooncake Store (the
-    routes it hands out live there until fetched, removed after
-    ``ref_ttl_s``, or evicted by Mooncake under pressure)."""
+    """Bytes of memory this engine (each process that joins: the worker for
+    ``backend: mooncake``, the engine core for ``ref_transport: mooncake``)
+    contributes to the Mooncake Store. What it holds (routes handed out,
+    shared objects) lives there until removed or evicted by Mooncake under
+    pressure, and goes when the engine stops."""
 
     mooncake_buffer_bytes: int = Field(default=256 << 20, gt=0)
     """Bytes of this engine's Mooncake transfer buffer (at least the largest
@@ -162,6 +181,14 @@ class ArtifactConfig:
         the engine core that reads it (both hold this config)."""
         digest = hashlib.sha256(f"{self.instance_id}:{data_parallel_rank}".encode())
         return digest.hexdigest()[:32]
+
+    def key_namespace(self, data_parallel_rank: int) -> str:
+        """What object keys are derived under: the shared ``key_space`` for
+        ``backend: mooncake`` (every engine and rank alike), else this
+        store's own namespace."""
+        if self.backend == "mooncake":
+            return f"key-space:{self.key_space}"
+        return self.namespace(data_parallel_rank)
 
 
 def translate_routed_experts_args(args: "EngineArgs") -> None:
@@ -286,18 +313,7 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
         )
     kv = vllm_config.kv_transfer_config
     if kv is not None and (kv.kv_connector or kv.kv_role):
-        connectors = _kv_connectors(kv)
-        names = [name for name, _ in connectors]
-        foreign = [n for n in names if n not in LOCAL_KV_CONNECTORS]
-        roles = {kv.kv_role, *(role for _, role in connectors if role)}
-        if roles != {"kv_both"} or foreign or not connectors:
-            reject(
-                "does not support disaggregated prefill/decode KV transfer "
-                f"(kv_connector={', '.join(names) or None}, "
-                f"kv_role={', '.join(sorted(map(str, roles)))})",
-                "only CPU KV offload (OffloadingConnector or "
-                "SimpleCPUOffloadConnector) with kv_role=kv_both is supported",
-            )
+        _check_kv_connectors(cfg, kv, reject)
     spec = vllm_config.speculative_config
     if spec is not None and spec.enable_adaptive_verification:
         reject(
@@ -321,28 +337,85 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
             "set --artifact-config "
             f"""'{{"inactive_ttl_s": {MIN_INACTIVE_TTL_S:g}}}' or more""",
         )
-    if cfg.ref_transport == "mooncake":
-        if not cfg.mooncake_master or not re.fullmatch(
-            r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}", cfg.mooncake_master
-        ):
-            reject(
-                "with ref_transport mooncake needs the Mooncake master's address "
-                f"as host:port, got mooncake_master {cfg.mooncake_master!r}",
-                """set --artifact-config '{"ref_transport": "mooncake", """
-                """"mooncake_master": "10.0.0.5:50051"}'""",
-            )
-        try:
-            import mooncake.store  # noqa: F401
-        except ImportError as e:
-            reject(
-                f"with ref_transport mooncake needs Mooncake's client ({e})",
-                "pip install mooncake-transfer-engine-non-cuda (and, on Debian, "
-                "apt-get install libibverbs1 librdmacm1 liburing2), or use "
-                'ref_transport "host"',
-            )
+    uses = {"ref_transport": cfg.ref_transport, "backend": cfg.backend}
+    for field, value in uses.items():
+        if value == "mooncake":
+            _check_mooncake(cfg, f"with {field} mooncake", reject)
+    if cfg.backend == "mooncake":
+        _check_key_space(cfg, vllm_config, reject)
     routed_experts_row_spec(vllm_config)  # the dtype fits the experts
     # Last: it may create a directory (a fresh root).
     _resolve_shm_root(cfg)
+
+
+def _check_kv_connectors(cfg: ArtifactConfig, kv, reject) -> None:
+    """CPU offload (kv_both) runs with either backend; connectors that load
+    KV other engines computed need the shared one; nothing else runs."""
+    connectors = _kv_connectors(kv)
+    names = [name for name, _ in connectors]
+    roles = {kv.kv_role, *(role for _, role in connectors if role)}
+    shared = [n for n in names if n in SHARED_KV_CONNECTORS]
+    foreign = [n for n in names if n not in LOCAL_KV_CONNECTORS + SHARED_KV_CONNECTORS]
+    local_only = not shared and roles == {"kv_both"}
+    if not connectors or foreign or not (local_only or shared):
+        reject(
+            "does not support this KV transfer "
+            f"(kv_connector={', '.join(names) or None}, "
+            f"kv_role={', '.join(sorted(map(str, roles)))})",
+            "CPU KV offload (OffloadingConnector or SimpleCPUOffloadConnector) "
+            "with kv_role=kv_both, and ExampleConnector (shared storage, any "
+            """role) with --artifact-config '{"backend": "mooncake", ...}' """
+            "are supported",
+        )
+    if shared and cfg.backend != "mooncake":
+        reject(
+            f"with {shared[0]} loads KV other engines computed, whose routes "
+            "are not in this engine's own store",
+            """set --artifact-config '{"backend": "mooncake", "key_space": ..., """
+            """"mooncake_master": "host:port"}' on every engine that shares KV""",
+        )
+
+
+def _check_mooncake(cfg: ArtifactConfig, what: str, reject) -> None:
+    if not cfg.mooncake_master or not re.fullmatch(
+        r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}", cfg.mooncake_master
+    ):
+        reject(
+            f"{what} needs the Mooncake master's address as host:port, got "
+            f"mooncake_master {cfg.mooncake_master!r}",
+            """set --artifact-config '{"mooncake_master": "10.0.0.5:50051", ...}'""",
+        )
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        reject(
+            f"{what} needs Mooncake's client ({e})",
+            "pip install mooncake-transfer-engine-non-cuda (and, on Debian, "
+            "apt-get install libibverbs1 librdmacm1 liburing2)",
+        )
+
+
+def _check_key_space(cfg: ArtifactConfig, vllm_config: "VllmConfig", reject) -> None:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import _NON_CRYPTO_HASH_FUNCTIONS
+
+    if not cfg.key_space:
+        reject(
+            "with backend mooncake needs the name of the engines that share "
+            "routes, key_space",
+            """set --artifact-config '{"backend": "mooncake", "key_space": """
+            """"my-deployment", ...}', the same on every engine that shares KV""",
+        )
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    seeded = os.environ.get("PYTHONHASHSEED") is not None
+    if get_hash_fn_by_name(algo) in _NON_CRYPTO_HASH_FUNCTIONS and not seeded:
+        reject(
+            f"with backend mooncake needs block hashes other engines can "
+            f"reproduce, but --prefix-caching-hash-algo {algo} is seeded at "
+            "random in each engine when PYTHONHASHSEED is unset",
+            "set PYTHONHASHSEED to the same value on every engine of the key "
+            "space, or use --prefix-caching-hash-algo sha256",
+        )
 
 
 def check_prefix_caching_for_routed_experts(vllm_config: "VllmConfig") -> None:

@@ -44,7 +44,14 @@ STORE_GAUGES = (
     "retained_keys",
     "queue_depth",
 )
-STORE_COUNTERS = ("puts_written", "divergences", "evicted_objects")
+STORE_COUNTERS = (
+    "puts_written",
+    "divergences",
+    "evicted_objects",
+    "shared_puts",
+    "shared_pulls",
+    "shared_failures",
+)
 # Routes handed out by reference (``RouteRefs.counters``, engine core).
 REF_GAUGES = ("waiting_bytes",)
 REF_COUNTERS = ("published", "expired")
@@ -267,6 +274,21 @@ class ArtifactProm:
             "evicted_objects": counter(
                 p + "store_evicted_objects",
                 "Objects evicted from the routes store to make room.",
+            ),
+            "shared_puts": counter(
+                p + "store_shared_published_objects",
+                "Objects mirrored into the Mooncake Store of the key space "
+                "(backend mooncake).",
+            ),
+            "shared_pulls": counter(
+                p + "store_shared_pulled_objects",
+                "Objects other engines of the key space computed, taken from "
+                "the Mooncake Store for prefix hits on their KV.",
+            ),
+            "shared_failures": counter(
+                p + "store_shared_failures",
+                "Writes into the Mooncake Store that failed (other engines' "
+                "hits on those routes then miss).",
             ),
         }
         self.ref_gauges = {

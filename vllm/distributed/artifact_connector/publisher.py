@@ -605,6 +605,9 @@ class ArtifactPublisher:
             "puts_written": s.puts_written,
             "divergences": s.divergences,
             "evicted_objects": s.evicted_objects,
+            "shared_puts": s.shared_puts,
+            "shared_pulls": s.shared_pulls,
+            "shared_failures": s.shared_failures,
         }
 
     def wait_idle(self, timeout_s: float | None = None) -> None:

@@ -34,6 +34,7 @@ from vllm.distributed.artifact_connector.protocol import (
 from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
 from vllm.distributed.artifact_connector.request_core import KeySpace
 from vllm.distributed.artifact_connector.shm import ShmStoreWriter
+from vllm.distributed.artifact_connector.store import ObjectStoreWriter
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
     RoutedExpertsCapturer,
@@ -155,12 +156,18 @@ class ArtifactWorkerConnector:
         sched = vllm_config.scheduler_config
         _, block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         namespace = cfg.namespace(vllm_config.parallel_config.data_parallel_rank)
-        writer = ShmStoreWriter(
+        writer: ObjectStoreWriter = ShmStoreWriter(
             cfg.shm_root,
             namespace,
             capacity_bytes=cfg.capacity_bytes,
             inactive_ttl_s=cfg.inactive_ttl_s,
         )
+        if cfg.backend == "mooncake":
+            from vllm.distributed.artifact_connector.mooncake import (
+                SharedTierWriter,
+            )
+
+            writer = SharedTierWriter.open(writer, vllm_config)
         try:
             slab = RowSlab.for_scheduler(
                 spec,
@@ -175,7 +182,9 @@ class ArtifactWorkerConnector:
                 writer,
                 spec,
                 slab,
-                KeySpace(namespace),
+                KeySpace(
+                    cfg.key_namespace(vllm_config.parallel_config.data_parallel_rank)
+                ),
                 max_queued_steps=MAX_QUEUED_STEPS,
             )
         except BaseException:

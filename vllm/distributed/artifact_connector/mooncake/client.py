@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One Mooncake Store client per process and master, shared by whatever in
+the process needs one (the artifact store's shared tier in the worker,
+routes handed out by reference in the engine core; both in one process
+under the ``uni`` executor), and closed when the last user lets go."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.artifact_connector.store import StoreIOError
+
+if TYPE_CHECKING:
+    from vllm.config.artifact import ArtifactConfig
+
+# Mooncake's error codes this package tells apart (mooncake/types.h).
+OBJECT_NOT_FOUND = -704
+BUFFER_TOO_SMALL = -600
+RPC_FAIL = -900
+
+_lock = threading.Lock()
+_clients: dict[tuple, tuple[Any, int]] = {}  # ident -> (client, users)
+_idents: dict[int, tuple] = {}  # id(client) -> ident
+
+
+class MooncakeUnavailableError(StoreIOError):
+    """The Mooncake Store cannot be joined (client missing, master down)."""
+
+
+def acquire(cfg: ArtifactConfig, *, segment_bytes: int | None = None) -> Any:
+    """This process's client of ``cfg.mooncake_master`` (set up on first
+    use; ``segment_bytes`` 0 joins without contributing memory). Pair with
+    :func:`release`."""
+    seg = cfg.mooncake_segment_bytes if segment_bytes is None else segment_bytes
+    ident = (
+        cfg.mooncake_master,
+        cfg.mooncake_protocol,
+        cfg.mooncake_local_hostname,
+        seg,
+    )
+    with _lock:
+        held = _clients.get(ident)
+        if held is not None:
+            _clients[ident] = (held[0], held[1] + 1)
+            return held[0]
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise MooncakeUnavailableError(
+                f"Mooncake's client is missing ({e}): pip install "
+                "mooncake-transfer-engine-non-cuda"
+            ) from e
+        client: Any = MooncakeDistributedStore()
+        rc = client.setup(
+            cfg.mooncake_local_hostname,
+            "P2PHANDSHAKE",
+            seg,
+            cfg.mooncake_buffer_bytes,
+            cfg.mooncake_protocol,
+            "",
+            cfg.mooncake_master,
+        )
+        if rc != 0:
+            raise MooncakeUnavailableError(
+                f"cannot join the Mooncake Store of master {cfg.mooncake_master} "
+                f"(setup returned {rc}); is mooncake_master running there?"
+            )
+        _clients[ident] = (client, 1)
+        _idents[id(client)] = ident
+        return client
+
+
+def release(client: Any) -> None:
+    """Let go of a client :func:`acquire` gave; the last release closes it."""
+    with _lock:
+        ident = _idents.get(id(client))
+        held = _clients.get(ident) if ident is not None else None
+        if ident is None or held is None or held[0] is not client:
+            return
+        if held[1] > 1:
+            _clients[ident] = (client, held[1] - 1)
+            return
+        del _clients[ident], _idents[id(client)]
+    client.close()

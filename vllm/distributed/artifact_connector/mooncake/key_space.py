@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What makes two engines' artifact keys comparable, and the check that
+every engine of one key space agrees on it.
+
+A key is derived from a KV block hash (``request_core.KeySpace``), so two
+engines share routes only if they hash blocks alike: the same model, the
+same hash algorithm and seed (vLLM's ``NONE_HASH``, the root of every
+chain, fingerprints both), the same block size and the same row format.
+The first engine of a key space records its :class:`KeySpaceTerms` in the
+Mooncake Store (hard-pinned, so never evicted); every later one compares
+and refuses to start on a difference, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm.distributed.artifact_connector.mooncake.client import (
+    OBJECT_NOT_FOUND,
+    MooncakeUnavailableError,
+)
+from vllm.distributed.artifact_connector.store import ArtifactError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_TERMS_NBYTES = 4096
+_FIXES = {
+    "model": "serve the same model on every engine (--served-model-name gives "
+    "one name to one model under different paths)",
+    "hash_algo": "use the same --prefix-caching-hash-algo on every engine",
+    "none_hash": "set the same PYTHONHASHSEED on every engine (it seeds the "
+    "block hashes)",
+    "block_size": "use the same --block-size on every engine",
+    "row_format": "use the same routed_experts_dtype on every engine",
+}
+
+
+class KeySpaceMismatchError(ArtifactError, ValueError):
+    """This engine does not hash blocks like the key space's other engines."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySpaceTerms:
+    """How an engine derives artifact keys (see the module docs)."""
+
+    model: str
+    hash_algo: str
+    none_hash: str  # hex of vLLM's NONE_HASH for this algorithm and seed
+    block_size: int
+    row_format: str  # layers x top-k, dtype
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig) -> KeySpaceTerms:
+        from vllm.config.artifact import routed_experts_row_spec
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+        cache = vllm_config.cache_config
+        hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+        spec = routed_experts_row_spec(vllm_config)
+        names = vllm_config.model_config.served_model_name
+        return cls(
+            model=str(names[0] if isinstance(names, list) else names),
+            hash_algo=str(cache.prefix_caching_hash_algo),
+            none_hash=bytes(hash_fn(resolve_none_hash_seed(hash_fn))).hex(),
+            block_size=int(cache.block_size),
+            row_format=f"{spec.row_shape[0]}x{spec.row_shape[1]} {spec.dtype}",
+        )
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+
+def terms_key(key_space: str) -> str:
+    return "vllm-artifact-key-space/" + hashlib.sha256(key_space.encode()).hexdigest()
+
+
+def agree(client: Any, master: str, key_space: str, terms: KeySpaceTerms) -> None:
+    """Record ``terms`` as the key space's, or check them against the ones
+    recorded; raises :class:`KeySpaceMismatchError` naming each difference
+    and its fix."""
+    from mooncake.store import ReplicateConfig
+
+    key = terms_key(key_space)
+    buf = np.zeros(_TERMS_NBYTES, np.uint8)
+    ptr = buf.ctypes.data
+    if client.register_buffer(ptr, buf.nbytes) != 0:
+        raise MooncakeUnavailableError("Mooncake refused to register a buffer")
+    try:
+        for _ in range(2):
+            (rc,) = client.batch_get_into([key], [ptr], [buf.nbytes])
+            if rc >= 0:
+                return _compare(key_space, terms, bytes(buf[:rc]))
+            if rc != OBJECT_NOT_FOUND:
+                break
+            mine = terms.encode()
+            buf[: len(mine)] = np.frombuffer(mine, np.uint8)
+            pin = ReplicateConfig()
+            pin.with_hard_pin = True
+            # Two first engines may race: each reads back what stayed.
+            client.batch_put_from([key], [ptr], [len(mine)], pin)
+        raise MooncakeUnavailableError(
+            f"cannot record the terms of key space {key_space!r} in the Mooncake "
+            f"Store of master {master} (rc {rc}); is mooncake_master running?"
+        )
+    finally:
+        client.unregister_buffer(ptr)
+
+
+def _compare(key_space: str, terms: KeySpaceTerms, recorded: bytes) -> None:
+    try:
+        theirs = json.loads(recorded)
+    except ValueError:
+        theirs = {}
+    mine = dataclasses.asdict(terms)
+    diffs = [
+        f"{name}: this engine {mine[name]!r}, the key space {theirs.get(name)!r} "
+        f"({_FIXES[name]})"
+        for name in mine
+        if theirs.get(name) != mine[name]
+    ]
+    if diffs:
+        raise KeySpaceMismatchError(
+            f"--enable-routed-experts: this engine cannot join the artifact key "
+            f"space {key_space!r}: it derives keys differently from the engine "
+            f"that recorded the key space: {'; '.join(diffs)}. Or give this "
+            "engine its own key_space in --artifact-config."
+        )

@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The artifact store of ``backend: mooncake``: this engine's ``/dev/shm``
+store, with a Mooncake Store shared by the key space's engines behind it.
+
+* **put**: objects go into the local store (which decides what is new) and
+  what is new there is mirrored into the shared tier, in one batched call
+  for the versions and one for the pointers. A failed mirror costs other
+  engines their hits on these objects (they get a typed miss), never this
+  engine's own answers: it is counted and logged, not raised.
+* **retain**: as the local store; keys the local store lacks (KV another
+  engine computed: a shared KV pool, a prefill engine) are pulled from the
+  shared tier at once, verified, into the local store, where the
+  retention holds them for the attempt whatever Mooncake evicts later.
+* **lookup**: local; keys still missing are pulled first (their KV may
+  have been loaded before the engine that computed it published them), so
+  a miss is a miss in both tiers. The shared tier failing raises.
+
+The scheduler's route reader reads the local store only: by the time a
+request's acknowledgement names an object, it is local.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm.distributed.artifact_connector.mooncake import client as mc
+from vllm.distributed.artifact_connector.mooncake.key_space import (
+    KeySpaceTerms,
+    agree,
+)
+from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
+from vllm.distributed.artifact_connector.store import (
+    ArtifactError,
+    FillFn,
+    ObjectRef,
+    ObjectStoreWriter,
+    PutResult,
+    PutStatus,
+    StoreStats,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+# How often the idle upkeep records the key space's terms again (a restarted
+# master forgets them, and would then take an engine that disagrees).
+TERMS_INTERVAL_S = 5.0
+
+
+class SharedTierWriter(ObjectStoreWriter):
+    """See the module docs."""
+
+    def __init__(
+        self,
+        local: ObjectStoreWriter,
+        shared: MooncakeObjects,
+        *,
+        rejoin: Any = None,
+        client: Any = None,
+    ) -> None:
+        self._local = local
+        self._shared = shared
+        self._rejoin = rejoin  # () -> None: records the key space's terms
+        self._client = client  # released at close
+        self._lock = threading.Lock()
+        self._counts = {"shared_puts": 0, "shared_pulls": 0, "shared_failures": 0}
+        self._next_terms = time.monotonic() + TERMS_INTERVAL_S
+        self._last_warning = 0.0
+
+    @classmethod
+    def open(
+        cls, local: ObjectStoreWriter, vllm_config: VllmConfig
+    ) -> SharedTierWriter:
+        """Join the Mooncake Store and the key space of ``vllm_config``'s
+        artifact config; closes ``local`` on failure."""
+        cfg = vllm_config.artifact_config
+        client = None
+        try:
+            client = mc.acquire(cfg)
+            terms = KeySpaceTerms.of(vllm_config)
+            master, space = str(cfg.mooncake_master), str(cfg.key_space)
+            agree(client, master, space, terms)
+            shared = MooncakeObjects(client, master)
+        except BaseException:
+            if client is not None:
+                mc.release(client)
+            local.close()
+            raise
+        return cls(
+            local,
+            shared,
+            rejoin=lambda: agree(client, master, space, terms),
+            client=client,
+        )
+
+    # ------------------------------------------------------------ writes
+    def put_batch(
+        self,
+        keys: Sequence[str],
+        lengths: np.ndarray,
+        fill: FillFn,
+        *,
+        owners: Sequence[str] | None = None,
+    ) -> PutResult:
+        kept: list[np.ndarray] = []
+
+        def fill_and_keep(buf: np.ndarray) -> np.ndarray | None:
+            sums = fill(buf)
+            kept.append(buf.copy())  # the store's buffer is gone after fill
+            return sums
+
+        result = self._local.put_batch(keys, lengths, fill_and_keep, owners=owners)
+        new = [i for i, s in enumerate(result.statuses) if s != PutStatus.IDENTICAL]
+        if new and kept:
+            offsets = np.zeros(len(keys), np.int64)
+            np.cumsum(np.asarray(lengths, np.int64)[:-1], out=offsets[1:])
+            data = kept[0]
+            if len(new) < len(keys):
+                lens = np.asarray(lengths, np.int64)
+                is_new = np.zeros(len(keys), bool)
+                is_new[new] = True
+                data = data[np.repeat(is_new, lens)]
+                offsets = np.zeros(len(new), np.int64)
+                np.cumsum(lens[is_new][:-1], out=offsets[1:])
+            self._mirror([keys[i] for i in new], [result.refs[i] for i in new],
+                         data, offsets)  # fmt: skip
+        return result
+
+    def _mirror(self, keys, refs, data, offsets) -> None:
+        try:
+            failed = self._shared.put(keys, refs, data, offsets)
+        except ArtifactError as e:
+            failed = 2 * len(keys)
+            self._warn(f"mirroring {len(keys)} objects failed: {e}")
+        else:
+            if failed:
+                self._warn(
+                    f"the Mooncake Store refused {failed} of {2 * len(keys)} "
+                    "writes (full, or its master restarting)"
+                )
+        with self._lock:
+            self._counts["shared_puts"] += len(keys) - failed // 2
+            self._counts["shared_failures"] += failed
+
+    def _warn(self, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning > 10.0:
+            self._last_warning = now
+            logger.warning(
+                "artifact store, shared tier (master %s): %s; other engines' "
+                "hits on these routes fail until they are published again",
+                self._shared.master,
+                msg,
+            )
+
+    # ------------------------------------------------------------ reads
+    def retain(self, owner: str, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self._local.retain(owner, keys)
+        try:
+            self._pull(keys)
+        except ArtifactError as e:  # the lookup at the finish tries again
+            logger.debug("artifact store: pull at retain failed: %s", e)
+
+    def lookup(self, keys: Sequence[str]) -> list[ObjectRef | None]:
+        self._pull(keys)
+        return self._local.lookup(keys)
+
+    def _pull(self, keys: Sequence[str]) -> None:
+        """Copy into the local store the keys it lacks that the shared tier
+        has (verified)."""
+        local = self._local.lookup(keys)
+        missing = [k for k, ref in zip(keys, local) if ref is None]
+        if not missing:
+            return
+        refs = [r for r in self._shared.lookup(missing) if r is not None]
+        if not refs:
+            return
+        data, present = self._shared.fetch(refs)
+        if not len(present):
+            return
+        got = [refs[i] for i in present.tolist()]
+        sums = np.fromiter((r.checksum for r in got), np.uint64, len(got))
+
+        def fill(buf: np.ndarray) -> np.ndarray:
+            buf[:] = data
+            return sums
+
+        lengths = np.fromiter((r.nbytes for r in got), np.int64, len(got))
+        self._local.put_batch([r.key for r in got], lengths, fill)
+        with self._lock:
+            self._counts["shared_pulls"] += len(got)
+
+    # ------------------------------------------------------------ the rest
+    def release(self, owner: str) -> int:
+        return self._local.release(owner)
+
+    def maintain(self) -> None:
+        self._local.maintain()
+        now = time.monotonic()
+        if self._rejoin is not None and now >= self._next_terms:
+            self._next_terms = now + TERMS_INTERVAL_S
+            try:
+                self._rejoin()
+            except ArtifactError as e:
+                self._warn(f"the key space's terms: {e}")
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            counts = dict(self._counts)
+        return dataclasses.replace(self._local.stats(), **counts)
+
+    def close(self) -> None:
+        """Close the local store; the shared objects stay (other engines use
+        them) until Mooncake evicts them or this engine's segment goes."""
+        self._local.close()
+        client = self._client
+        if client is not None:
+            self._client = None
+            self._shared.close()
+            mc.release(client)
