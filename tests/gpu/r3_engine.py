@@ -22,6 +22,14 @@ tokens) ends the run, and each rank's part in R3 is recorded
 holds, its capture buffer's first row, which is then the probe's last route)
 with the store root's entries.
 
+With ``eplb`` (EPLBConfig fields), expert load balancing is on with
+expert parallelism; at one GPU (TP = DP = 1, which 0.32.0's config refuses
+for EPLB) it is switched on after the config has been validated
+(:func:`_force_eplb`). The test hook then resets the rearrangement counter
+(rebalancing at ``step_interval`` steps from the first round on) and the
+run records, before the first round and after each, how many rearrangements
+ran and the physical-to-logical expert map (``eplb``).
+
 Prompts are token IDs (the engine is started with ``skip_tokenizer_init``):
 a shared prefix of :data:`PREFIX_LEN` tokens and suffixes of different
 lengths, all drawn from a fixed seed.
@@ -108,6 +116,63 @@ def _graph_replays(worker) -> dict | None:
     return {"captured": cgm.captured_token_counts(), "replays": cgm.r3_test_replays}
 
 
+def _force_eplb(eplb: dict) -> None:
+    """EPLB on one GPU. 0.32.0's ParallelConfig refuses ``enable_eplb``
+    unless TP, PCP or DP > 1 (config/parallel.py, _validate_parallel_config),
+    yet nothing after it needs a second rank: set it (and the redundant
+    experts) on the validated config, before the model is built. The
+    communicator must be named: ParallelConfig.__post_init__ picks it only
+    with ``enable_eplb`` already set."""
+    from vllm.config.parallel import EPLBConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        cfg = orig(self, *args, **kwargs)
+        pc = cfg.parallel_config
+        pc.enable_eplb = True
+        pc.eplb_config = EPLBConfig(**eplb)
+        return cfg
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _eplb_facts(worker, reset_step: bool = False) -> dict | None:
+    """The EPLB state of this rank: rearrangements counted since the first
+    call (which installs the counter, and with ``reset_step`` restarts the
+    rearrangement interval), the physical-to-logical map ``[layers,
+    physical]`` and the replica counts ``[layers, logical]``."""
+    st = getattr(worker.model_runner, "eplb_state", None)
+    if st is None:
+        return None
+    if not hasattr(st, "r3_test_rearranges"):
+        orig = st.rearrange
+        st.r3_test_rearranges = 0
+
+        def rearrange(*args, _orig=orig, _st=st, **kwargs):
+            if not kwargs.get("is_profile", args[0] if args else False):
+                _st.r3_test_rearranges += 1
+            return _orig(*args, **kwargs)
+
+        st.rearrange = rearrange
+        if reset_step:
+            st.expert_rearrangement_step = 0
+    (ms,) = st.model_states.values()
+    return {
+        "rearranges": st.r3_test_rearranges,
+        "step": st.expert_rearrangement_step,
+        "interval": st.expert_rearrangement_step_interval,
+        "is_async": st.is_async,
+        "physical_to_logical": ms.physical_to_logical_map.cpu().tolist(),
+        "replica_count": ms.logical_replica_count.cpu().tolist(),
+    }
+
+
+def _eplb_facts_reset(worker) -> dict | None:
+    return _eplb_facts(worker, reset_step=True)
+
+
 def run(spec: dict, out_prefix: str) -> dict:
     import torch
 
@@ -138,6 +203,14 @@ def run(spec: dict, out_prefix: str) -> dict:
     if tp > 1:
         kw["tensor_parallel_size"] = tp
         kw["disable_custom_all_reduce"] = True  # no custom all-reduce kernel here
+    eplb = spec.get("eplb")
+    if eplb:
+        kw["enable_expert_parallel"] = True
+        if tp > 1:
+            kw["enable_eplb"] = True
+            kw["eplb_config"] = dict(eplb)
+        else:
+            _force_eplb(eplb)
     if tree == "fork":
         shm_root = f"/dev/shm/r3-gpu-test-{os.getpid()}"
         kw["enable_routed_experts"] = True
@@ -214,6 +287,11 @@ def run(spec: dict, out_prefix: str) -> dict:
     if tp == 1:
         res["cudagraphs_at_start"] = llm.collective_rpc(_graph_replays)
 
+    res["enable_eplb"] = cfg.parallel_config.enable_eplb
+    eplb_log = None
+    if eplb:
+        eplb_log = [llm.collective_rpc(_eplb_facts_reset)]
+
     ps = prompts(vocab=cfg.model_config.get_vocab_size())
     arrays: dict[str, np.ndarray] = {}
     rounds = []
@@ -254,7 +332,11 @@ def run(spec: dict, out_prefix: str) -> dict:
         rounds.append(
             {"s": round(time.time() - t, 2), "max_tokens": int(max_tokens), "outs": rr}
         )
+        if eplb_log is not None:
+            eplb_log.append(llm.collective_rpc(_eplb_facts))
     res["rounds"] = rounds
+    if eplb_log is not None:
+        res["eplb"] = eplb_log
     if tp == 1:
         res["cudagraphs"] = llm.collective_rpc(_graph_replays)
     if tp > 1:

@@ -36,6 +36,18 @@ Each engine runs in its own process (``r3_engine.py``), all of them at once:
   its TP=1 case (``TP_REF``) up to near-ties, every rank must capture
   (equal capture buffers) and only global rank 0 may publish and hold the
   store.
+- ``eplb``, ``eplb_async``: ``ref`` with expert load balancing (EPLB) and
+  expert parallelism on one GPU (EP size 1: 0.32.0's config refuses this,
+  r3_engine.py switches it on after validation), 4 redundant experts (16
+  logical, 20 physical), rebalancing every 20 steps from the first round on
+  (synchronous resp. asynchronous rearrangement); ``eplb_graphs``: ``eplb``
+  under ``graphs``' full CUDA graphs (the maps are updated in place, under
+  replayed graphs), against ``graphs``; ``tp2_eplb``: ``eplb`` at
+  TP=2 (EP size 2; two GPUs, skipped with fewer). Round 1 runs on the
+  initial placement, rounds 2 and 3 after rebalancing steps. The returned
+  IDs must be logical (below 16) and equal their case without EPLB
+  (``EPLB_REF``) up to near-ties in every round, tokens equal; the
+  placement must have changed.
 
 ``ref``, ``ref_ieee`` and the ``spec*`` cases run a third round: four
 prompts with repetition (the prefix, then a short pattern repeated, or a
@@ -190,6 +202,21 @@ CASES = {
         "tp": 2,
     },
 }
+EPLB = {
+    "num_redundant_experts": 4,
+    "window_size": 16,
+    "step_interval": 20,
+    "use_async": False,
+    "communicator": "torch_gloo",
+}
+CASES["eplb"] = {"tree": "fork", "async": None, "max_batched": 4096, "eplb": EPLB}
+CASES["eplb"].update(ROUNDS3)
+CASES["eplb_async"] = dict(CASES["eplb"], eplb=dict(EPLB, use_async=True))
+CASES["eplb_graphs"] = dict(
+    CASES["eplb"],
+    override={"enforce_eager": False, "compilation_config": GRAPHS},
+)
+CASES["tp2_eplb"] = dict(CASES["eplb"], tp=2)
 # (largest logit gap of an exchanged pair, largest share of differing entries
 # per compared array) by numerics: TF32 Triton dots (the default) or IEEE.
 TIE_TOL = {None: (0.05, 0.01), "ieee": (1e-3, 1e-3)}
@@ -597,9 +624,15 @@ def test_shared_prefix_rows_equal(runs):
         _record(f"{name}: shared prefix rows", total)
 
 
-def _assert_same(a: Run, b: Run, what: str, tol: tuple[float, float] | None) -> dict:
+def _assert_same(
+    a: Run,
+    b: Run,
+    what: str,
+    tol: tuple[float, float] | None,
+    rounds: tuple[int, ...] = (0, 1),
+) -> dict:
     total = {"entries": 0, "mismatch": 0, "tokens_layers": 0, "max_gap": 0.0}
-    for rnd in (0, 1):
+    for rnd in rounds:
         oa, ob = a.outs(rnd), b.outs(rnd)
         assert oa.keys() == ob.keys()
         for i in oa:
@@ -807,6 +840,81 @@ def test_tp2_every_rank_captures_only_rank_0_publishes(runs):
 
 def test_tp2_matches_transformers_router_ieee(runs):
     _oracle(runs, "tp2_ieee", TIE_TOL["ieee"])
+
+
+# --------------------------------------------------- expert load balancing
+# EPLB case -> the case without EPLB it must equal
+EPLB_REF = {
+    "eplb": "ref",
+    "eplb_async": "ref",
+    "eplb_graphs": "graphs",
+    "tp2_eplb": "ref",
+}
+
+
+def test_eplb_routes_logical_and_same_as_without(runs):
+    """With redundant experts the router's logical IDs are mapped to physical
+    replicas (base_router.py, ``_apply_eplb_mapping``) after the capture
+    hook has seen them: the returned routes are logical IDs, equal to the
+    run without EPLB up to near-ties, before the first rebalancing (round 1)
+    and after (rounds 2 and 3); the tokens are equal, so the experts'
+    weights moved with the map."""
+    names = [n for n in EPLB_REF if n in runs]
+    if not names:
+        _skip("no EPLB case run")
+    report = {}
+    for name in names:
+        r = _need(runs, name)
+        ref = _need(runs, EPLB_REF[name])
+        m = r.meta
+        assert m["enable_eplb"] is True, name
+        n_log = m["num_experts"]
+        n_phys = n_log + CASES[name]["eplb"]["num_redundant_experts"]
+        # m["eplb"]: before round 1, then after each round; one entry per rank
+        log = m["eplb"]
+        assert len(log) == len(m["rounds"]) + 1, (name, len(log))
+        for facts in log:
+            assert len({json.dumps(f, sort_keys=True) for f in facts}) == 1, (
+                name,
+                "ranks disagree on the placement",
+                facts,
+            )
+        facts = [x[0] for x in log]
+        p2l = [f["physical_to_logical"] for f in facts]
+        assert all(len(row) == n_phys for row in p2l[0]), (name, p2l[0])
+        assert facts[0]["is_async"] is CASES[name]["eplb"]["use_async"], name
+        assert facts[1]["rearranges"] == 0, (name, "rebalanced in round 1", facts[1])
+        assert facts[-1]["rearranges"] >= 1, (name, "never rebalanced", facts[-1])
+        assert p2l[-1] != p2l[0], (name, "placement unchanged", p2l[0])
+        per_round = {}
+        for rnd in range(len(m["rounds"])):
+            for i in r.outs(rnd):
+                got = int(r.routes[(rnd, i)].max())
+                assert got < n_log, (name, rnd, i, "physical IDs returned", got)
+            rep = _assert_same(
+                ref,
+                r,
+                f"EPLB {name} vs off, round {rnd + 1}",
+                TIE_TOL[None],
+                rounds=(rnd,),
+            )
+            per_round[rnd + 1] = {
+                "rearranges_before": facts[rnd]["rearranges"],
+                "rearranges_after": facts[rnd + 1]["rearranges"],
+                "placement_changed_in_round": p2l[rnd + 1] != p2l[rnd],
+                "mismatch": rep["mismatch"],
+                "entries": rep["entries"],
+                "max_gap": rep["max_gap"],
+            }
+        report[name] = {
+            "physical_experts": n_phys,
+            "initial_map_layer0": p2l[0][0],
+            "final_map_layer0": p2l[-1][0],
+            "final_replicas_layer0": facts[-1]["replica_count"][0],
+            "rounds": per_round,
+        }
+    _record("EPLB placement and routes", report)
+    print("EPLB " + json.dumps(report), flush=True)
 
 
 # ------------------------------------------------------- speculative decoding
