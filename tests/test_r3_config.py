@@ -55,9 +55,11 @@ FIX_CP = "drop --decode-context-parallel-size/--prefill-context-parallel-size"
 FIX_DBO = "drop --enable-dbo / --ubatch-size"
 FIX_EXECUTOR = "use --distributed-executor-backend mp"
 FIX_KV = (
-    "only CPU KV offload (OffloadingConnector or SimpleCPUOffloadConnector) "
-    "with kv_role=kv_both is supported"
+    "CPU KV offload (OffloadingConnector or SimpleCPUOffloadConnector) "
+    "with kv_role=kv_both, and ExampleConnector (shared storage, any role) "
+    """with --artifact-config '{"backend": "mooncake", ...}' are supported"""
 )
+FIX_SHARED_KV = """set --artifact-config '{"backend": "mooncake", "key_space": ..."""
 FIX_ADAPTIVE = "turn enable_adaptive_verification off in --speculative-config"
 FIX_SHM_ROOT = "choose e.g. /dev/shm/vllm-artifacts-"
 FIX_AUX = "enable routed experts with --enable-routed-experts"
@@ -763,12 +765,55 @@ def test_explicit_private_shm_root_is_accepted(tiny_moe):
 
 
 @pytest.mark.parametrize("master", [None, "no-port", "10.0.0.5:port"])
-def test_rejects_mooncake_refs_without_a_master_address(tiny_moe, master):
-    cfg: dict = {"ref_transport": "mooncake"}
+@pytest.mark.parametrize("field", ["ref_transport", "backend"])
+def test_rejects_mooncake_without_a_master_address(tiny_moe, master, field):
+    cfg: dict = {field: "mooncake", "key_space": "k"}
     if master is not None:
         cfg["mooncake_master"] = master
-    with _rejects('"mooncake_master": "10.0.0.5:50051"'):
+    with _rejects('"mooncake_master": "10.0.0.5:50051"') as exc:
         _build_r3(tiny_moe, artifact_config=cfg)
+    assert f"with {field} mooncake" in str(exc.value)
+
+
+def _shared_storage(role: str = "kv_both") -> dict:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": "/nonexistent"},
+    }
+
+
+def test_rejects_shared_kv_without_the_shared_store(tiny_moe):
+    with _rejects(FIX_SHARED_KV) as exc:
+        _build_r3(tiny_moe, kv_transfer_config=_shared_storage())
+    assert "ExampleConnector loads KV other engines computed" in str(exc.value)
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])
+def test_accepts_shared_kv_with_the_shared_store(tiny_moe, role, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    artifact = {"backend": "mooncake", "key_space": "k", "mooncake_master": "h:1"}
+    cfg = _build_r3(
+        tiny_moe, kv_transfer_config=_shared_storage(role), artifact_config=artifact
+    )
+    assert cfg.artifact_config.key_namespace(0) == "key-space:k"
+    assert cfg.artifact_config.key_namespace(1) == "key-space:k"
+
+
+def test_rejects_the_shared_store_without_a_key_space(tiny_moe):
+    with _rejects('"key_space": "my-deployment"'):
+        _build_r3(
+            tiny_moe, artifact_config={"backend": "mooncake", "mooncake_master": "h:1"}
+        )
+
+
+def test_rejects_a_shared_key_space_with_random_block_hashes(tiny_moe, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    artifact = {"backend": "mooncake", "key_space": "k", "mooncake_master": "h:1"}
+    with _rejects("set PYTHONHASHSEED to the same value on every engine"):
+        _build_r3(tiny_moe, prefix_caching_hash_algo="xxhash", artifact_config=artifact)
+    # sha256's seed is fixed unless PYTHONHASHSEED sets it: accepted.
+    _build_r3(tiny_moe, prefix_caching_hash_algo="sha256", artifact_config=artifact)
 
 
 def test_rejects_an_unknown_routed_experts_format(tiny_moe):

@@ -10,12 +10,12 @@ float32."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +34,6 @@ from utils.routes_consumer import Consumer
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parent.parent
 TTL_S = 3.0
 
 
@@ -74,33 +73,27 @@ def scope():
 def server(request, tiny_moe, scope):
     root = shm_root()
     artifact = dict(routed_experts_format="ref", ref_scope=scope, ref_ttl_s=TTL_S)
-    master = None
-    if request.param == "mooncake":
-        pytest.importorskip(
-            "mooncake.store", reason="Mooncake's client is installed by `make setup`"
-        )
-        from utils.mooncake import Master
+    with contextlib.ExitStack() as stack:
+        if request.param == "mooncake":
+            pytest.importorskip(
+                "mooncake.store",
+                reason="Mooncake's client is installed by `make setup`",
+            )
+            from utils.mooncake import running_master
 
-        os.environ["MC_FORCE_TCP"] = "true"  # loopback TCP, no RDMA device
-        master = Master(REPO / ".cache" / "logs" / "mooncake-master-http.log")
-        master.start()
-        artifact.update(
-            ref_transport="mooncake",
-            mooncake_master=master.address,
-            mooncake_segment_bytes=64 << 20,
-            mooncake_buffer_bytes=32 << 20,
-        )
-    flags = serve_flags(root, **artifact)
-    try:
+            master = stack.enter_context(running_master("mooncake-master-http"))
+            artifact.update(
+                ref_transport="mooncake",
+                mooncake_master=master.address,
+                mooncake_segment_bytes=64 << 20,
+                mooncake_buffer_bytes=32 << 20,
+            )
+        flags = serve_flags(root, **artifact)
         with r3_server(
             tiny_moe, flags, root, f"test-r3-ref-{request.param}.log"
         ) as srv:
             srv.transport = request.param
             yield srv
-    finally:
-        if master is not None:
-            master.stop()
-            os.environ.pop("MC_FORCE_TCP", None)
     # Everything the engine handed out is removed when it stops (the scope
     # itself stays while the consumer holds it open).
     _assert_no_payloads_left(scope)

@@ -11,13 +11,11 @@ serving."""
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from utils.mooncake import Master
+from utils.mooncake import running_master
 from utils.oracle import expected_r3
 from utils.r3 import PROMPTS, engine_kwargs, greedy
 from utils.routes_consumer import Consumer
@@ -28,19 +26,11 @@ mooncake = pytest.importorskip(
     "mooncake.store", reason="Mooncake's client is installed by `make setup`"
 )
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
 def master():
-    os.environ["MC_FORCE_TCP"] = "true"  # loopback TCP, no RDMA device
-    log = REPO / ".cache" / "logs" / "mooncake-master.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    m = Master(log)
-    m.start()
-    yield m
-    m.stop()
-    os.environ.pop("MC_FORCE_TCP", None)
+    with running_master("mooncake-master") as m:
+        yield m
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ Mooncake Store (TCP on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -52,3 +54,19 @@ class Master:
             self.proc.terminate()
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+@contextlib.contextmanager
+def running_master(name: str):
+    """A started :class:`Master` logging to ``.cache/logs/<name>.log``, with
+    ``MC_FORCE_TCP`` set for the clients (loopback TCP, no RDMA device)."""
+    os.environ["MC_FORCE_TCP"] = "true"
+    log = Path(__file__).resolve().parents[2] / ".cache" / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    m = Master(log)
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()
+        os.environ.pop("MC_FORCE_TCP", None)

@@ -89,26 +89,13 @@ class _MooncakeSink:
     transport = "mooncake"
 
     def __init__(self, cfg: ArtifactConfig) -> None:
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as e:
-            raise RouteRefPublishError(f"Mooncake's client is missing: {e}") from e
+        from vllm.distributed.artifact_connector.mooncake import client
+
         self.location = str(cfg.mooncake_master)
-        self._store: Any = MooncakeDistributedStore()
-        rc = self._store.setup(
-            cfg.mooncake_local_hostname,
-            "P2PHANDSHAKE",
-            cfg.mooncake_segment_bytes,
-            cfg.mooncake_buffer_bytes,
-            cfg.mooncake_protocol,
-            "",
-            self.location,
-        )
-        if rc != 0:
-            raise RouteRefPublishError(
-                f"cannot join the Mooncake Store of master {self.location} "
-                f"(setup returned {rc}); is mooncake_master running there?"
-            )
+        try:
+            self._store: Any = client.acquire(cfg)
+        except client.MooncakeUnavailableError as e:
+            raise RouteRefPublishError(str(e)) from e
 
     def put(self, key: str, rows: np.ndarray) -> None:
         rc = self._store.put(key, rows.reshape(-1).view(np.uint8).data)
@@ -124,7 +111,9 @@ class _MooncakeSink:
         return self._store.remove(key) == 0
 
     def close(self) -> None:
-        self._store.close()
+        from vllm.distributed.artifact_connector.mooncake import client
+
+        client.release(self._store)
 
 
 @dataclass(slots=True)

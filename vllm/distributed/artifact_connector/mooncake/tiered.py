@@ -55,6 +55,9 @@ logger = init_logger(__name__)
 # How often the idle upkeep records the key space's terms again (a restarted
 # master forgets them, and would then take an engine that disagrees).
 TERMS_INTERVAL_S = 5.0
+# After a failed mirror, how long puts skip the shared tier: a put to a
+# master that is down blocks about 4 s, which would stall publication.
+MIRROR_BACKOFF_S = 5.0
 
 
 class SharedTierWriter(ObjectStoreWriter):
@@ -76,6 +79,7 @@ class SharedTierWriter(ObjectStoreWriter):
         self._counts = {"shared_puts": 0, "shared_pulls": 0, "shared_failures": 0}
         self._next_terms = time.monotonic() + TERMS_INTERVAL_S
         self._last_warning = 0.0
+        self._mirror_after = 0.0
 
     @classmethod
     def open(
@@ -137,17 +141,22 @@ class SharedTierWriter(ObjectStoreWriter):
         return result
 
     def _mirror(self, keys, refs, data, offsets) -> None:
-        try:
-            failed = self._shared.put(keys, refs, data, offsets)
-        except ArtifactError as e:
+        if time.monotonic() < self._mirror_after:
             failed = 2 * len(keys)
-            self._warn(f"mirroring {len(keys)} objects failed: {e}")
         else:
+            try:
+                failed = self._shared.put(keys, refs, data, offsets)
+            except ArtifactError as e:
+                failed = 2 * len(keys)
+                self._warn(f"mirroring {len(keys)} objects failed: {e}")
+            else:
+                if failed:
+                    self._warn(
+                        f"the Mooncake Store refused {failed} of {2 * len(keys)} "
+                        "writes (full, or its master restarting)"
+                    )
             if failed:
-                self._warn(
-                    f"the Mooncake Store refused {failed} of {2 * len(keys)} "
-                    "writes (full, or its master restarting)"
-                )
+                self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
         with self._lock:
             self._counts["shared_puts"] += len(keys) - failed // 2
             self._counts["shared_failures"] += failed

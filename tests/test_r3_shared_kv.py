@@ -1,0 +1,219 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Routes on KV another engine computed (``backend: mooncake``): two real
+engines on this machine share KV through vLLM's ``ExampleConnector``
+(safetensors files in one directory) and routes through a real
+``mooncake_master`` on 127.0.0.1 (TCP). A prompt one engine computed is
+loaded from storage by the other, whose routes for the loaded blocks come
+from the shared key space and for the rest (the partial last block, the
+completion) from its own forward; every array is checked against
+transformers' router in float32. Both ways KV moves between engines here:
+a pool both engines read and write (``kv_both``), and a prefill/decode
+pair (``kv_producer`` -> ``kv_consumer``). Faults: the shared routes
+removed behind the engines, the master stopped and restarted, and an
+engine that hashes blocks differently refused at startup."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from utils.mooncake import running_master
+from utils.r3 import SHARED_PREFIX, assert_exact, engine_kwargs, greedy
+
+pytestmark = pytest.mark.engine
+
+mooncake = pytest.importorskip(
+    "mooncake.store", reason="Mooncake's client is installed by `make setup`"
+)
+
+KEY_SPACE = "test-shared-kv"
+BLOCK = 32
+P = "vllm:routed_experts_"
+
+
+@pytest.fixture(scope="module")
+def master():
+    with running_master("mooncake-master-shared-kv") as m:
+        yield m
+
+
+def _engine(model, master, storage, role: str, **overrides):
+    from vllm import LLM
+
+    kwargs = engine_kwargs(
+        model,
+        disable_log_stats=False,
+        kv_transfer_config={
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        },
+        **overrides,
+    )
+    kwargs["artifact_config"].update(
+        backend="mooncake",
+        key_space=KEY_SPACE,
+        mooncake_master=master.address,
+        mooncake_segment_bytes=64 << 20,
+        mooncake_buffer_bytes=16 << 20,
+    )
+    return LLM(**kwargs)
+
+
+def _close(*engines) -> None:
+    for e in engines:
+        e.llm_engine.engine_core.shutdown(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_moe, master, tmp_path_factory):
+    """Two engines reading and writing one KV pool (kv_both)."""
+    storage = tmp_path_factory.mktemp("kv-pool")
+    a = _engine(tiny_moe, master, storage, "kv_both")
+    b = _engine(tiny_moe, master, storage, "kv_both")
+    yield a, b
+    _close(a, b)
+
+
+def _counter(llm, name: str) -> float:
+    return sum(
+        m.value for m in llm.get_metrics() if m.name == P + name and hasattr(m, "value")
+    )
+
+
+def _prompts(tag: str) -> list[str]:
+    """Two prompts of their own (``tag`` first, so no block is shared with
+    another test's), each ending in a partial block."""
+    return [
+        f"{tag}: {SHARED_PREFIX}",
+        f"{tag}: Mixture of experts models route every token to a few experts, "
+        "and the routes of one engine must match those of another one.",
+    ]
+
+
+def _loaded(out) -> int:
+    """Tokens of ``out`` whose KV came from the cache (here: the pool)."""
+    return out.num_cached_tokens
+
+
+def _from_storage(out) -> int:
+    """What ExampleConnector loads: the full blocks before the last prompt
+    token (the engine computes the rest)."""
+    n = len(out.prompt_token_ids)
+    assert n % BLOCK, f"{n} prompt tokens: no partial last block"
+    return (n - 1) // BLOCK * BLOCK
+
+
+def test_prefill_decode_pair(tiny_moe, master, tmp_path):
+    """A prefill engine (kv_producer) computes the prompt and one token; the
+    decode engine (kv_consumer) loads its KV and returns the routes of every
+    token it executed: the prefill engine's for the loaded blocks."""
+    prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
+    decode = _engine(tiny_moe, master, tmp_path, "kv_consumer")
+    try:
+        prompts = _prompts("pd")
+        for out in prefill.generate(prompts, greedy(1), use_tqdm=False):
+            assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        outs = decode.generate(prompts, greedy(12), use_tqdm=False)
+        for out in outs:
+            assert _loaded(out) == _from_storage(out) > 0
+            assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+    finally:
+        _close(prefill, decode)
+
+
+def test_pool_hit_on_kv_the_other_engine_computed(pool, tiny_moe):
+    a, b = pool
+    prompts = _prompts("pool")
+    pulled = _counter(b, "store_shared_pulled_objects")
+    for out in a.generate(prompts, greedy(2), use_tqdm=False):
+        assert _loaded(out) == 0
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+    outs = b.generate(prompts, greedy(8), use_tqdm=False)
+    for out in outs:
+        assert _loaded(out) == _from_storage(out) > 0
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+    # The worker sends its counters with a step at most once a second.
+    time.sleep(1.5)
+    b.generate(["Once"], greedy(1), use_tqdm=False)
+    blocks = sum(_loaded(o) for o in outs) // BLOCK
+    assert _counter(b, "store_shared_pulled_objects") == pulled + blocks
+
+
+def test_shared_routes_removed_behind_the_engines_fail_loudly(pool, tiny_moe):
+    """Objects Mooncake no longer has (evicted under pressure, or lost with
+    the segment that held them): the hit fails with a typed error, never a
+    partial array, and the engine keeps serving."""
+    from mooncake.store import MooncakeDistributedStore
+
+    a, b = pool
+    (prompt, _) = _prompts("removed")
+    (first,) = a.generate([prompt], greedy(2), use_tqdm=False)
+    assert_exact(tiny_moe, first.prompt_token_ids, first.outputs[0])
+    time.sleep(1.0)  # a's publication thread has mirrored the blocks
+    master_address = a.llm_engine.vllm_config.artifact_config.mooncake_master
+    client = MooncakeDistributedStore()
+    assert (
+        client.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address
+        )
+        == 0
+    )
+    try:
+        assert client.remove_by_regex("^vllm-artifact/", True) > 0
+    finally:
+        client.close()
+    (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
+    assert _loaded(out) == _from_storage(out)
+    c = out.outputs[0]
+    assert c.routed_experts is None
+    assert c.routed_experts_error.startswith("ObjectMissingError"), (
+        c.routed_experts_error
+    )
+    (other,) = b.generate(["Once upon a time " * 3], greedy(4), use_tqdm=False)
+    assert_exact(tiny_moe, other.prompt_token_ids, other.outputs[0])
+
+
+def test_master_stopped_and_restarted(pool, tiny_moe, master):
+    a, b = pool
+    (before, during, after) = (_prompts(t)[0] for t in ("before", "down", "back"))
+    (out,) = a.generate([before], greedy(2), use_tqdm=False)
+    time.sleep(1.0)
+    master.stop()
+    try:
+        # b loads a's KV but cannot reach the routes: a typed error.
+        (out,) = b.generate([before], greedy(4), use_tqdm=False)
+        assert _loaded(out) == _from_storage(out)
+        error = out.outputs[0].routed_experts_error
+        assert error is not None and error.startswith("MooncakeUnavailableError")
+        # a serves its own requests exactly meanwhile (its mirror fails).
+        (out,) = a.generate([during], greedy(4), use_tqdm=False)
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+    finally:
+        master.start()
+    # The restarted master knows nothing; the clients join it again within
+    # seconds, and routes computed from then on are shared again.
+    deadline = time.monotonic() + 60
+    for i in range(1000):
+        prompt = f"{i} {after}"
+        a.generate([prompt], greedy(1), use_tqdm=False)
+        time.sleep(1.0)
+        (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
+        if out.outputs[0].routed_experts is not None:
+            break
+        assert time.monotonic() < deadline, out.outputs[0].routed_experts_error
+    assert _loaded(out) == _from_storage(out)
+    assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+
+
+def test_engine_hashing_differently_is_refused(tiny_moe, master, tmp_path, capfd):
+    """An engine of the key space whose blocks are 64 tokens, where the
+    engines that recorded the key space hash 32-token blocks: its keys could
+    never match theirs, so it does not start, and says why."""
+    with pytest.raises(RuntimeError):
+        _engine(tiny_moe, master, tmp_path, "kv_both", block_size=64)
+    err = capfd.readouterr().err
+    assert "cannot join the artifact key space 'test-shared-kv'" in err
+    assert "block_size: this engine 64, the key space 32" in err
+    assert "use the same --block-size on every engine" in err
