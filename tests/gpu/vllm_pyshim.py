@@ -409,6 +409,42 @@ def reshape_and_cache_flash(
     value_cache[blk, off] = value[:n].to(value_cache.dtype)
 
 
+_CUDART = None
+
+
+def _cudart():
+    """libcudart through ctypes (torch's own copy), for raw-pointer copies."""
+    global _CUDART
+    if _CUDART is None:
+        import ctypes.util
+        import glob
+
+        here = os.path.dirname(torch.__file__)
+        roots = [here, os.path.dirname(here)]
+        found = [
+            f
+            for r in roots
+            for f in glob.glob(os.path.join(r, "**", "libcudart.so*"), recursive=True)
+        ] + [ctypes.util.find_library("cudart") or ""]
+        lib = ctypes.CDLL(next(f for f in found if f))
+        ptr, size = ctypes.c_void_p, ctypes.c_size_t
+        lib.cudaMemcpyAsync.argtypes = [ptr, ptr, size, ctypes.c_int, ptr]
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
+        _CUDART = lib
+    return _CUDART
+
+
+def swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any=False):
+    """CPU KV offload's copies (raw pointers, host pinned or device): one
+    cudaMemcpyAsync (cudaMemcpyDefault) each on the current stream."""
+    lib = _cudart()
+    stream = torch.cuda.current_stream().cuda_stream
+    for s, d, n in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()):
+        rc = lib.cudaMemcpyAsync(d, s, n, 4, stream)
+        if rc != 0:
+            raise RuntimeError(f"cudaMemcpyAsync failed: {rc}")
+
+
 def vocab_parallel_embedding(
     out, input_ids, weight, org_start, org_end, num_org_padding, added_start, added_end
 ):
@@ -476,6 +512,7 @@ def install() -> None:
     ):
         m._add(fn)
     _ns("_C_cache_ops")._add(reshape_and_cache_flash)
+    _ns("_C_cache_ops")._add(swap_blocks_batch)
     _ns("_C_cuda_utils")._add(get_max_shared_memory_per_block_device_attribute)
     print(
         "[pyshim] installed pure-torch stand-ins for vLLM compiled ops "
