@@ -61,6 +61,9 @@ from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.artifact_connector.mooncake.external_hits import (
+        ExternalHits,
+    )
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.engine import EngineCoreOutput
@@ -116,6 +119,11 @@ class ArtifactSchedulerConnector:
         # Terminal outputs to emit with the next update.
         self._ready: list[tuple[int, EngineCoreOutput]] = []
         self._stats = ArtifactStatsCollector()
+        self._external: ExternalHits | None = None
+        if cfg.backend == "mooncake":
+            from vllm.distributed.artifact_connector.mooncake import external_hits
+
+            self._external = external_hits.ExternalHits(vllm_config, hash_block_size)
 
     # ------------------------------------------------------------ messages
     def build_meta(
@@ -222,6 +230,19 @@ class ArtifactSchedulerConnector:
     def set_weight_version(self, version: str) -> None:
         """Rows computed from the next step on belong to ``version``."""
         self._out.weight_version = version
+        if self._external is not None:
+            self._external.weight_version = version
+
+    def routed_external_tokens(
+        self, request: Request, num_local: int, num_external: int
+    ) -> int:
+        """How many of the ``num_external`` tokens a KV connector offers to
+        load after ``num_local`` to take: all of them, but with a shared
+        tier only the leading blocks it has routes for (``ExternalHits``);
+        the engine recomputes the rest."""
+        if self._external is None:
+            return num_external
+        return self._external.routed_tokens(request, num_local, num_external)
 
     # ------------------------------------------------------------ lifecycle
     def on_preempt(self, request: Request) -> None:
@@ -590,4 +611,6 @@ class ArtifactSchedulerConnector:
         return {"records": len(self._records), "ready": len(self._ready)}
 
     def close(self) -> None:
+        if self._external is not None:
+            self._external.close()
         self._reads.close()

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Which of the blocks a KV connector offers to load have routes
+(``backend: mooncake``, scheduler side).
+
+KV another engine computed is only worth loading if its routes can be
+returned: otherwise the request would fail, and so would every later one on
+that prefix, since the KV pool keeps offering the same KV. Before the
+scheduler takes a connector's external hit, it asks here how many of the
+hit's leading blocks have a pointer in the shared tier (one batched lookup,
+on the engine thread); the hit is cut to those, and the engine recomputes
+the rest, which gives their routes. KV stays authoritative: a cut only
+recomputes KV the engine could have loaded.
+
+A pointer found here can still vanish before the worker pulls it (Mooncake
+evicting in between): that request fails with ``ObjectMissingError``, and
+the next one is cut here."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from vllm.distributed.artifact_connector.mooncake import client as mc
+from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
+from vllm.distributed.artifact_connector.request_core import KeySpace
+from vllm.distributed.artifact_connector.store import ArtifactError
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class ExternalHits:
+    """See the module docs. Used by the engine thread only."""
+
+    def __init__(self, vllm_config: VllmConfig, block_size: int) -> None:
+        cfg = vllm_config.artifact_config
+        rank = vllm_config.parallel_config.data_parallel_rank
+        self.block_size = block_size
+        self.weight_version = "default"
+        self._keys = KeySpace(cfg.key_namespace(rank))
+        # Joins without contributing memory: the worker's client holds it.
+        self._client = mc.acquire(cfg, segment_bytes=0)
+        self._shared = MooncakeObjects(self._client, str(cfg.mooncake_master), 1 << 16)
+        self._last_warning = 0.0
+        self.blocks_cut = 0
+
+    def routed_tokens(self, request: Request, num_local: int, num_external: int) -> int:
+        """The part of ``num_external`` tokens after ``num_local`` (a block
+        boundary) whose routes the shared tier has: whole blocks, from the
+        first on."""
+        bs = self.block_size
+        if num_local % bs:
+            return num_external
+        first, n = num_local // bs, num_external // bs
+        hashes = request.block_hashes[first : first + n]
+        if len(hashes) < n:
+            n = len(hashes)
+        keys = [self._keys.key(self.weight_version, h, bs, tail=False) for h in hashes]
+        try:
+            refs = self._shared.lookup(keys)
+        except ArtifactError as e:
+            refs = []
+            self._warn(f"the shared tier did not answer ({e})")
+        routed = next((i for i, r in enumerate(refs) if r is None), len(refs))
+        if routed == n and n * bs == num_external:
+            return num_external
+        self.blocks_cut += n - routed
+        return routed * bs
+
+    def _warn(self, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning > 10.0:
+            self._last_warning = now
+            logger.warning(
+                "routed experts: %s; KV other engines computed is recomputed "
+                "instead of loaded until it does",
+                msg,
+            )
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._shared.close()
+            mc.release(self._client)
+            self._client = None
