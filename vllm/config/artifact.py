@@ -13,6 +13,11 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field
 
+from vllm.config.artifact_transfer import (
+    check_key_space,
+    check_kv_connectors,
+    check_mooncake,
+)
 from vllm.config.utils import config
 from vllm.distributed.artifact_connector.shm.limits import (
     DEFAULT_CAPACITY_BYTES,
@@ -30,15 +35,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 RoutedExpertsDtype = Literal["auto", "uint16", "int32"]
-
-# Key-value connectors whose KV never leaves this engine: CPU offload, with
-# the role kv_both. Prefix hits they serve are ordinary local hits.
-LOCAL_KV_CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
-
-# Key-value connectors that load KV other engines computed, in any role (a
-# shared KV pool, a prefill engine handing KV to a decode engine): their hits
-# need the routes those engines published, so they need backend mooncake.
-SHARED_KV_CONNECTORS = ("ExampleConnector",)
 
 # MoE architectures that run a FusedMoE on a subset of the batch's tokens:
 # the base's capturer writes the subset's routes to the first rows of the
@@ -313,7 +309,7 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
         )
     kv = vllm_config.kv_transfer_config
     if kv is not None and (kv.kv_connector or kv.kv_role):
-        _check_kv_connectors(cfg, kv, reject)
+        check_kv_connectors(cfg, kv, reject)
     spec = vllm_config.speculative_config
     if spec is not None and spec.enable_adaptive_verification:
         reject(
@@ -340,82 +336,12 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
     uses = {"ref_transport": cfg.ref_transport, "backend": cfg.backend}
     for field, value in uses.items():
         if value == "mooncake":
-            _check_mooncake(cfg, f"with {field} mooncake", reject)
+            check_mooncake(cfg, f"with {field} mooncake", reject)
     if cfg.backend == "mooncake":
-        _check_key_space(cfg, vllm_config, reject)
+        check_key_space(cfg, vllm_config, reject)
     routed_experts_row_spec(vllm_config)  # the dtype fits the experts
     # Last: it may create a directory (a fresh root).
     _resolve_shm_root(cfg)
-
-
-def _check_kv_connectors(cfg: ArtifactConfig, kv, reject) -> None:
-    """CPU offload (kv_both) runs with either backend; connectors that load
-    KV other engines computed need the shared one; nothing else runs."""
-    connectors = _kv_connectors(kv)
-    names = [name for name, _ in connectors]
-    roles = {kv.kv_role, *(role for _, role in connectors if role)}
-    shared = [n for n in names if n in SHARED_KV_CONNECTORS]
-    foreign = [n for n in names if n not in LOCAL_KV_CONNECTORS + SHARED_KV_CONNECTORS]
-    local_only = not shared and roles == {"kv_both"}
-    if not connectors or foreign or not (local_only or shared):
-        reject(
-            "does not support this KV transfer "
-            f"(kv_connector={', '.join(names) or None}, "
-            f"kv_role={', '.join(sorted(map(str, roles)))})",
-            "CPU KV offload (OffloadingConnector or SimpleCPUOffloadConnector) "
-            "with kv_role=kv_both, and ExampleConnector (shared storage, any "
-            """role) with --artifact-config '{"backend": "mooncake", ...}' """
-            "are supported",
-        )
-    if shared and cfg.backend != "mooncake":
-        reject(
-            f"with {shared[0]} loads KV other engines computed, whose routes "
-            "are not in this engine's own store",
-            """set --artifact-config '{"backend": "mooncake", "key_space": ..., """
-            """"mooncake_master": "host:port"}' on every engine that shares KV""",
-        )
-
-
-def _check_mooncake(cfg: ArtifactConfig, what: str, reject) -> None:
-    if not cfg.mooncake_master or not re.fullmatch(
-        r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}", cfg.mooncake_master
-    ):
-        reject(
-            f"{what} needs the Mooncake master's address as host:port, got "
-            f"mooncake_master {cfg.mooncake_master!r}",
-            """set --artifact-config '{"mooncake_master": "10.0.0.5:50051", ...}'""",
-        )
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:
-        reject(
-            f"{what} needs Mooncake's client ({e})",
-            "pip install mooncake-transfer-engine-non-cuda (and, on Debian, "
-            "apt-get install libibverbs1 librdmacm1 liburing2)",
-        )
-
-
-def _check_key_space(cfg: ArtifactConfig, vllm_config: "VllmConfig", reject) -> None:
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import _NON_CRYPTO_HASH_FUNCTIONS
-
-    if not cfg.key_space:
-        reject(
-            "with backend mooncake needs the name of the engines that share "
-            "routes, key_space",
-            """set --artifact-config '{"backend": "mooncake", "key_space": """
-            """"my-deployment", ...}', the same on every engine that shares KV""",
-        )
-    algo = vllm_config.cache_config.prefix_caching_hash_algo
-    seeded = os.environ.get("PYTHONHASHSEED") is not None
-    if get_hash_fn_by_name(algo) in _NON_CRYPTO_HASH_FUNCTIONS and not seeded:
-        reject(
-            f"with backend mooncake needs block hashes other engines can "
-            f"reproduce, but --prefix-caching-hash-algo {algo} is seeded at "
-            "random in each engine when PYTHONHASHSEED is unset",
-            "set PYTHONHASHSEED to the same value on every engine of the key "
-            "space, or use --prefix-caching-hash-algo sha256",
-        )
 
 
 def check_prefix_caching_for_routed_experts(vllm_config: "VllmConfig") -> None:
@@ -596,7 +522,6 @@ def _collect_abandoned_roots(default: str, fresh: str, inactive_ttl_s: float) ->
     stale ones (dead or expired writers only; live stores and anything not
     ours are left alone). The empty roots themselves stay: one may belong to
     an engine that has not started its writer yet."""
-    import re
 
     from vllm.distributed.artifact_connector.shm import collect_stale_stores
 
@@ -614,14 +539,3 @@ def _collect_abandoned_roots(default: str, fresh: str, inactive_ttl_s: float) ->
             collect_stale_stores(path, inactive_ttl_s)
         except (RuntimeError, OSError) as e:  # unsafe: not ours, left alone
             logger.debug("artifact store: not collecting %s: %s", path, e)
-
-
-def _kv_connectors(kv) -> list[tuple[str, str | None]]:
-    """(name, role) of the connector and, for a MultiConnector, of each one
-    inside it (each has its own role)."""
-    if kv.kv_connector != "MultiConnector":
-        return [(kv.kv_connector, None)] if kv.kv_connector else []
-    return [
-        (c.get("kv_connector", "?"), c.get("kv_role"))
-        for c in (kv.kv_connector_extra_config or {}).get("connectors", [])
-    ]
