@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The shared tier of ``backend: mooncake`` (``SharedTierWriter``) on a
+real ``mooncake_master`` (127.0.0.1, TCP) and real ``/dev/shm`` stores, two
+"engines" in one process with their own Mooncake clients: what one
+publishes the other pulls, verified, into its local store; divergent
+versions stand side by side; a corrupted shared object is refused; the
+master going away costs the publisher nothing but the mirror; and the
+key space's terms are recorded once and enforced."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from vllm.config.artifact import ArtifactConfig
+from vllm.distributed.artifact_connector.mooncake import client as mc
+from vllm.distributed.artifact_connector.mooncake.key_space import (
+    KeySpaceMismatchError,
+    KeySpaceTerms,
+    agree,
+)
+from vllm.distributed.artifact_connector.mooncake.objects import (
+    PREFIX,
+    MooncakeObjects,
+)
+from vllm.distributed.artifact_connector.mooncake.tiered import SharedTierWriter
+from vllm.distributed.artifact_connector.shm import ShmStoreWriter
+from vllm.distributed.artifact_connector.store import (
+    ChecksumMismatchError,
+    PutStatus,
+)
+
+from .helpers import key, payload, put
+
+pytest.importorskip(
+    "mooncake.store", reason="Mooncake's client is installed by `make setup`"
+)
+from utils.mooncake import running_master  # noqa: E402
+
+
+@pytest.fixture
+def master():
+    with running_master("mooncake-master-shared-tier") as m:
+        yield m
+
+
+def _cfg(master) -> ArtifactConfig:
+    return ArtifactConfig(
+        backend="mooncake",
+        key_space="unit",
+        mooncake_master=master.address,
+        mooncake_segment_bytes=32 << 20,
+        mooncake_buffer_bytes=8 << 20,
+    )
+
+
+@pytest.fixture
+def engines(master, shm_root):
+    """Two writers, each with its own local store and Mooncake client
+    (different segment sizes: separate clients, as in two processes)."""
+    cfg = _cfg(master)
+    out = []
+    for seg in (32 << 20, 16 << 20):
+        client = mc.acquire(cfg, segment_bytes=seg)
+        local = ShmStoreWriter(shm_root, uuid.uuid4().hex)
+        shared = MooncakeObjects(client, master.address)
+        out.append(SharedTierWriter(local, shared, client=client))
+    yield out
+    for w in out:
+        w.close()
+
+
+def _raw(master):
+    """A plain client of the master (the test's hand behind the engines)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    c = MooncakeDistributedStore()
+    assert (
+        c.setup("127.0.0.1", "P2PHANDSHAKE", 0, 8 << 20, "tcp", "", master.address) == 0
+    )
+    return c
+
+
+def test_what_one_engine_publishes_the_other_pulls(engines):
+    a, b = engines
+    items = [(key(i), payload(i, 6208)) for i in range(40)]
+    res = put(a, items)
+    assert set(res.statuses) == {PutStatus.WRITTEN}
+    keys = [k for k, _ in items]
+    assert b._local.lookup(keys) == [None] * 40  # b never had them
+    refs = b.lookup(keys + [key(99)])
+    assert refs[:40] == list(res.refs)
+    assert refs[40] is None  # nobody published it
+    # Pulled into b's own store, where retention and the reader find them.
+    assert b._local.lookup(keys) == list(res.refs)
+    assert a.stats().shared_puts == 40 and b.stats().shared_pulls == 40
+    assert a.stats().shared_failures == 0
+
+
+def test_retain_pulls_and_holds_whatever_mooncake_does_later(engines, master):
+    a, b = engines
+    items = [(key(i), payload(i, 1000)) for i in range(8)]
+    put(a, items)
+    keys = [k for k, _ in items]
+    b.retain("req#1", keys)
+    raw = _raw(master)
+    try:
+        assert raw.remove_by_regex("^" + PREFIX, True) >= 16  # gone from Mooncake
+    finally:
+        raw.close()
+    assert [r.key for r in b.lookup(keys)] == keys  # still here, retained
+    assert b.stats().retained_keys == 8
+    assert b.release("req#1") == 8
+
+
+def test_divergent_versions_stand_side_by_side(engines, master):
+    a, b = engines
+    k = key(7)
+    (ra,) = put(a, [(k, b"A" * 500)]).refs
+    (rb,) = put(b, [(k, b"B" * 500)]).refs  # b computed the block otherwise
+    assert ra.checksum != rb.checksum
+    client = mc.acquire(_cfg(master), segment_bytes=0)
+    try:
+        shared = MooncakeObjects(client, master.address)
+        (current,) = shared.lookup([k])
+        assert current == rb  # the last put is current, as in /dev/shm
+        data, present = shared.fetch([ra, rb])  # both exact versions remain
+        assert present.tolist() == [0, 1]
+        assert bytes(data) == b"A" * 500 + b"B" * 500
+        shared.close()
+    finally:
+        mc.release(client)
+    # Each engine's own store keeps its own version for its own requests.
+    assert a._local.lookup([k]) == [ra] and b._local.lookup([k]) == [rb]
+
+
+def test_a_corrupted_shared_object_is_refused(engines, master):
+    a, b = engines
+    k = key(3)
+    (ref,) = put(a, [(k, payload(3, 2000))]).refs
+    bad = np.frombuffer(payload(4, 2000), np.uint8).copy()
+    raw = _raw(master)
+    try:
+        assert raw.register_buffer(bad.ctypes.data, bad.nbytes) == 0
+        version = f"{PREFIX}{k}/{ref.checksum:016x}"
+        assert raw.batch_upsert_from([version], [bad.ctypes.data], [2000]) == [0]
+        raw.unregister_buffer(bad.ctypes.data)
+    finally:
+        raw.close()
+    with pytest.raises(ChecksumMismatchError, match="Mooncake Store"):
+        b.lookup([k])
+    assert b._local.lookup([k]) == [None]  # nothing half-taken
+
+
+def test_master_down_costs_the_publisher_only_the_mirror(engines, master):
+    a, b = engines
+    master.stop()
+    res = put(a, [(key(1), payload(1, 3000))])  # stored locally all the same
+    assert res.statuses == (PutStatus.WRITTEN,)
+    assert a._local.lookup([key(1)]) == list(res.refs)
+    assert a.stats().shared_failures == 2  # the version and the pointer
+    # Within the back-off the next put does not wait on the master.
+    put(a, [(key(2), payload(2, 3000))])
+    assert a.stats().shared_failures == 4
+    from vllm.distributed.artifact_connector.mooncake.client import (
+        MooncakeUnavailableError,
+    )
+
+    with pytest.raises(MooncakeUnavailableError, match="mooncake_master"):
+        b.lookup([key(1)])
+
+
+def test_key_space_terms_are_recorded_once_and_enforced(master):
+    cfg = _cfg(master)
+    terms = KeySpaceTerms("m", "sha256", "00" * 32, 32, "2x2 uint8")
+    client = mc.acquire(cfg, segment_bytes=32 << 20)
+    other = mc.acquire(cfg, segment_bytes=16 << 20)
+    try:
+        agree(client, master.address, "ks", terms)  # records
+        agree(other, master.address, "ks", terms)  # agrees
+        agree(other, master.address, "ks2", KeySpaceTerms("x", "xxhash", "11", 16, "r"))
+        wrong = KeySpaceTerms("m", "sha256", "ff" * 32, 64, "2x2 uint8")
+        with pytest.raises(KeySpaceMismatchError) as exc:
+            agree(other, master.address, "ks", wrong)
+        msg = str(exc.value)
+        assert "none_hash" in msg and "PYTHONHASHSEED" in msg
+        assert "block_size: this engine 64, the key space 32" in msg
+        assert "model:" not in msg  # what agrees is not named
+    finally:
+        mc.release(other)
+        mc.release(client)
