@@ -109,7 +109,10 @@ def _from_storage(out) -> int:
 def test_prefill_decode_pair(tiny_moe, master, tmp_path):
     """A prefill engine (kv_producer) computes the prompt and one token; the
     decode engine (kv_consumer) loads its KV and returns the routes of every
-    token it executed: the prefill engine's for the loaded blocks."""
+    token it executed: the prefill engine's for the loaded blocks. Then the
+    prefill engine is restarted (its Mooncake client and segment go, and a
+    new one joins the key space): whatever the old one's segment held, the
+    decode engine's routes stay exact, and the new one's are shared."""
     prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
     decode = _engine(tiny_moe, master, tmp_path, "kv_consumer")
     try:
@@ -120,6 +123,20 @@ def test_prefill_decode_pair(tiny_moe, master, tmp_path):
         for out in outs:
             assert _loaded(out) == _from_storage(out) > 0
             assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        (late,) = _prompts("pd-late")[:1]
+        prefill.generate([late], greedy(1), use_tqdm=False)
+        _close(prefill)
+        prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
+        # Routes the old engine's segment held may be gone: loaded if they
+        # are still shared somewhere, recomputed if not, exact either way.
+        (out,) = decode.generate([late], greedy(4), use_tqdm=False)
+        assert _loaded(out) in (0, _from_storage(out))
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        (fresh,) = _prompts("pd-restarted")[:1]
+        prefill.generate([fresh], greedy(1), use_tqdm=False)
+        (out,) = decode.generate([fresh], greedy(4), use_tqdm=False)
+        assert _loaded(out) == _from_storage(out) > 0
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     finally:
         _close(prefill, decode)
 
