@@ -55,6 +55,7 @@ import time
 import uuid
 
 import numpy as np
+from mooncake_master import start_master
 
 from vllm.config.artifact import ArtifactConfig
 from vllm.distributed.artifact_connector.route_refs import RouteRefs
@@ -155,35 +156,13 @@ def ref_once(refs_out: RouteRefs, consumer, arrays: list[np.ndarray]) -> dict:
 def start_mooncake() -> tuple[subprocess.Popen | None, RouteRefs | None]:
     """A ``mooncake_master`` and the engine side's Mooncake sink, or
     ``(None, None)`` when Mooncake is not installed."""
-    import socket
-
-    master_bin = Path(sys.executable).parent / "mooncake_master"
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError:
+    started = start_master()
+    if started is None:
         return None, None
-    ports = []
-    for _ in range(2):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-    os.environ["MC_FORCE_TCP"] = "true"
-    master = subprocess.Popen(
-        [str(master_bin), f"--rpc_port={ports[0]}", f"--metrics_port={ports[1]}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", ports[0])) == 0:
-                break
-        if time.monotonic() > deadline:
-            raise RuntimeError("mooncake_master did not listen")
-        time.sleep(0.05)
+    master, address = started
     cfg = ArtifactConfig(
         ref_transport="mooncake",
-        mooncake_master=f"127.0.0.1:{ports[0]}",
+        mooncake_master=address,
         mooncake_segment_bytes=2 << 30,
         mooncake_buffer_bytes=64 << 20,
         ref_max_bytes=4 << 30,
