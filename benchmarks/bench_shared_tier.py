@@ -17,7 +17,9 @@ complete). A real ``mooncake_master`` on 127.0.0.1 (TCP), started here.
   pointers looked up, versions fetched and verified, put into its local
   store (``retain`` at an attempt's start runs the same); against
   ``local_lookup``, the same lookup once the objects are local, and
-  ``memcpy``, one copy of the bytes.
+  ``memcpy``, one copy of the bytes; ``shared_exists``: the pointers'
+  existence alone, which the scheduler's check of a KV connector's hit
+  (``ExternalHits``) runs on the engine thread.
 
 Medians over ``--reps`` repetitions (fresh keys each time).
 
@@ -122,6 +124,9 @@ def main() -> None:
                 r = {"local_put_s": put_s(local, keys, lengths, data, sums)}
                 keys, lengths, data, sums = objects(n, rng)
                 r["shared_put_s"] = put_s(a, keys, lengths, data, sums)
+                t = time.perf_counter()
+                assert all(b._shared.exists(keys))  # what ExternalHits asks
+                r["shared_exists_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 refs = b.lookup(keys)
                 r["pull_s"] = time.perf_counter() - t

@@ -7,10 +7,10 @@ KV another engine computed is only worth loading if its routes can be
 returned: otherwise the request would fail, and so would every later one on
 that prefix, since the KV pool keeps offering the same KV. Before the
 scheduler takes a connector's external hit, it asks here how many of the
-hit's leading blocks have a pointer in the shared tier (one batched lookup,
-on the engine thread); the hit is cut to those, and the engine recomputes
-the rest, which gives their routes. KV stays authoritative: a cut only
-recomputes KV the engine could have loaded.
+hit's leading blocks have a pointer in the shared tier (one batched
+existence query, on the engine thread); the hit is cut to those, and the
+engine recomputes the rest, which gives their routes. KV stays
+authoritative: a cut only recomputes KV the engine could have loaded.
 
 A pointer found here can still vanish before the worker pulls it (Mooncake
 evicting in between): that request fails with ``ObjectMissingError``, and
@@ -62,11 +62,11 @@ class ExternalHits:
             n = len(hashes)
         keys = [self._keys.key(self.weight_version, h, bs, tail=False) for h in hashes]
         try:
-            refs = self._shared.lookup(keys)
+            found = self._shared.exists(keys)
         except ArtifactError as e:
-            refs = []
+            found = []
             self._warn(f"the shared tier did not answer ({e})")
-        routed = next((i for i, r in enumerate(refs) if r is None), len(refs))
+        routed = next((i for i, f in enumerate(found) if not f), len(found))
         if routed == n and n * bs == num_external:
             return num_external
         self.blocks_cut += n - routed
