@@ -800,6 +800,29 @@ def test_accepts_shared_kv_with_the_shared_store(tiny_moe, role, monkeypatch):
     assert cfg.artifact_config.key_namespace(1) == "key-space:k"
 
 
+def test_serve_flags_take_the_shared_store_and_shared_kv(parser, tiny_moe):
+    """What a `vllm serve` of a prefill/decode pair passes, parsed as the CLI
+    parses it."""
+    cfg = _from_cli(
+        parser,
+        tiny_moe,
+        "--enable-routed-experts",
+        "--kv-transfer-config",
+        json.dumps(_shared_storage("kv_consumer")),
+        "--artifact-config",
+        '{"backend": "mooncake", "key_space": "rollout-7", '
+        '"mooncake_master": "10.0.0.5:50051", "mooncake_local_hostname": "10.0.0.11"}',
+    )
+    a = cfg.artifact_config
+    assert (a.backend, a.key_space, a.mooncake_master) == (
+        "mooncake",
+        "rollout-7",
+        "10.0.0.5:50051",
+    )
+    assert a.mooncake_local_hostname == "10.0.0.11"
+    assert cfg.kv_transfer_config.kv_role == "kv_consumer"
+
+
 def test_rejects_the_shared_store_without_a_key_space(tiny_moe):
     with _rejects('"key_space": "my-deployment"'):
         _build_r3(
