@@ -109,10 +109,7 @@ def _from_storage(out) -> int:
 def test_prefill_decode_pair(tiny_moe, master, tmp_path):
     """A prefill engine (kv_producer) computes the prompt and one token; the
     decode engine (kv_consumer) loads its KV and returns the routes of every
-    token it executed: the prefill engine's for the loaded blocks. Then the
-    prefill engine is restarted (its Mooncake client and segment go, and a
-    new one joins the key space): whatever the old one's segment held, the
-    decode engine's routes stay exact, and the new one's are shared."""
+    token it executed: the prefill engine's for the loaded blocks."""
     prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
     decode = _engine(tiny_moe, master, tmp_path, "kv_consumer")
     try:
@@ -123,23 +120,6 @@ def test_prefill_decode_pair(tiny_moe, master, tmp_path):
         for out in outs:
             assert _loaded(out) == _from_storage(out) > 0
             assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-        (late,) = _prompts("pd-late")[:1]
-        prefill.generate([late], greedy(1), use_tqdm=False)
-        _close(prefill)
-        prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
-        # Routes the old engine's segment held are gone, those in another
-        # segment are not: the hit is taken up to the first block without
-        # routes (any whole number of blocks), the rest recomputed, and the
-        # routes are exact either way.
-        (out,) = decode.generate([late], greedy(4), use_tqdm=False)
-        assert _loaded(out) % BLOCK == 0
-        assert 0 <= _loaded(out) <= _from_storage(out)
-        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-        (fresh,) = _prompts("pd-restarted")[:1]
-        prefill.generate([fresh], greedy(1), use_tqdm=False)
-        (out,) = decode.generate([fresh], greedy(4), use_tqdm=False)
-        assert _loaded(out) == _from_storage(out) > 0
-        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     finally:
         _close(prefill, decode)
 
@@ -223,12 +203,13 @@ def test_master_stopped_and_restarted(pool, tiny_moe, master):
         a.generate([prompt], greedy(1), use_tqdm=False)
         time.sleep(1.0)
         (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
+        # While the clients rejoin, some of a's writes may still fail: b
+        # then takes part of the hit, or none of it, exact every time.
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-        if _loaded(out):
+        assert _loaded(out) % BLOCK == 0
+        if _loaded(out) == _from_storage(out):
             break
         assert time.monotonic() < deadline, "the KV pool's hits never came back"
-    assert _loaded(out) == _from_storage(out)
-    assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
 
 
 def test_engine_hashing_differently_is_refused(tiny_moe, master, tmp_path, capfd):
