@@ -47,7 +47,6 @@ class ExternalHits:
         self._client = mc.acquire(cfg, segment_bytes=0)
         self._shared = MooncakeObjects(self._client, str(cfg.mooncake_master), 1 << 16)
         self._last_warning = 0.0
-        self.blocks_cut = 0
 
     def routed_tokens(self, request: Request, num_local: int, num_external: int) -> int:
         """The part of ``num_external`` tokens after ``num_local`` (a block
@@ -69,7 +68,6 @@ class ExternalHits:
         routed = next((i for i, f in enumerate(found) if not f), len(found))
         if routed == n and n * bs == num_external:
             return num_external
-        self.blocks_cut += n - routed
         return routed * bs
 
     def _warn(self, msg: str) -> None:

@@ -167,8 +167,8 @@ class SharedTierWriter(ObjectStoreWriter):
         if now - self._last_warning > 10.0:
             self._last_warning = now
             logger.warning(
-                "artifact store, shared tier (master %s): %s; other engines' "
-                "hits on these routes fail until they are published again",
+                "artifact store, shared tier (master %s): %s; other engines "
+                "recompute these blocks instead of loading their KV",
                 self._shared.master,
                 msg,
             )
