@@ -10,14 +10,14 @@ complete). A real ``mooncake_master`` on 127.0.0.1 (TCP), started here.
 
 * ``put``: ``put_batch`` of new objects through ``ShmStoreWriter`` alone
   (``local``) and through ``SharedTierWriter`` (``shared``: the same put,
-  plus the mirror's two batched Mooncake writes), the fill copying prepared
+  plus the mirror's one batched Mooncake upsert), the fill copying prepared
   objects as the publisher's encoder does;
 * ``pull``: a second engine's ``SharedTierWriter`` (its own client and
   local store) resolving the keys the first one published, which it lacks:
-  pointers looked up, versions fetched and verified, put into its local
+  objects fetched in one batched read and verified, put into its local
   store (``retain`` at an attempt's start runs the same); against
   ``local_lookup``, the same lookup once the objects are local, and
-  ``memcpy``, one copy of the bytes; ``shared_exists``: the pointers'
+  ``memcpy``, one copy of the bytes; ``shared_exists``: the objects'
   existence alone, which the scheduler's check of a KV connector's hit
   (``ExternalHits``) runs on the engine thread.
 
@@ -93,7 +93,7 @@ def writer_pair(root: str, master: str):
     for seg in (None, 256 << 20):  # two clients: the pull crosses the transport
         client = mc.acquire(cfg, segment_bytes=seg)
         local = ShmStoreWriter(root, uuid.uuid4().hex, capacity_bytes=2 << 30)
-        shared = MooncakeObjects(client, master)
+        shared = MooncakeObjects(client, master, max_object_nbytes=OBJECT_NBYTES)
         out.append(SharedTierWriter(local, shared, client=client))
     return out
 

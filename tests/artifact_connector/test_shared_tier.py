@@ -3,10 +3,11 @@
 """The shared tier of ``backend: mooncake`` (``SharedTierWriter``) on a
 real ``mooncake_master`` (127.0.0.1, TCP) and real ``/dev/shm`` stores, two
 "engines" in one process with their own Mooncake clients: what one
-publishes the other pulls, verified, into its local store; divergent
-versions stand side by side; a corrupted shared object is refused; the
-master going away costs the publisher nothing but the mirror; and the
-key space's terms are recorded once and enforced."""
+publishes the other pulls, verified, into its local store; a key that
+exists can be read, also after the engine whose segment held part of the
+objects went; the last put of a key is read whole; a corrupted shared
+object is refused; the master going away costs the publisher nothing but
+the mirror; and the key space's terms are recorded once and enforced."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from vllm.distributed.artifact_connector.mooncake.key_space import (
     agree,
 )
 from vllm.distributed.artifact_connector.mooncake.objects import (
+    HEADER,
     PREFIX,
     MooncakeObjects,
 )
@@ -39,6 +41,8 @@ pytest.importorskip(
     "mooncake.store", reason="Mooncake's client is installed by `make setup`"
 )
 from utils.mooncake import running_master  # noqa: E402
+
+LARGEST = 6208  # the largest object the tests put
 
 
 @pytest.fixture
@@ -66,7 +70,7 @@ def engines(master, shm_root):
     for seg in (32 << 20, 16 << 20):
         client = mc.acquire(cfg, segment_bytes=seg)
         local = ShmStoreWriter(shm_root, uuid.uuid4().hex)
-        shared = MooncakeObjects(client, master.address)
+        shared = MooncakeObjects(client, master.address, max_object_nbytes=LARGEST)
         out.append(SharedTierWriter(local, shared, client=client))
     yield out
     for w in out:
@@ -108,7 +112,7 @@ def test_retain_pulls_and_holds_whatever_mooncake_does_later(engines, master):
     b.retain("req#1", keys)
     raw = _raw(master)
     try:
-        assert raw.remove_by_regex("^" + PREFIX, True) >= 16  # gone from Mooncake
+        assert raw.remove_by_regex("^" + PREFIX, True) == 8  # gone from Mooncake
     finally:
         raw.close()
     assert [r.key for r in b.lookup(keys)] == keys  # still here, retained
@@ -116,7 +120,23 @@ def test_retain_pulls_and_holds_whatever_mooncake_does_later(engines, master):
     assert b.release("req#1") == 8
 
 
-def test_divergent_versions_stand_side_by_side(engines, master):
+def test_a_key_that_exists_can_be_read_after_an_engine_goes(engines, master):
+    """Mooncake places each object in one of the clients' segments and drops
+    it with that segment: when an engine goes, whatever the scheduler's
+    existence check still finds must be readable (KV loaded for a key whose
+    routes are gone would fail the request, and every later one on it)."""
+    a, b = engines
+    items = [(key(i), payload(i, 3000)) for i in range(40)]
+    refs = put(a, items).refs
+    keys = [k for k, _ in items]
+    a.close()  # its client and segment go
+    found = b._shared.exists(keys)
+    got = {r.key: r for r in b.lookup(keys) if r is not None}
+    assert [k in got for k in keys] == found
+    assert all(got[k] == r for k, r in zip(keys, refs) if k in got)
+
+
+def test_the_last_put_of_a_key_is_read_whole(engines, master):
     a, b = engines
     k = key(7)
     (ra,) = put(a, [(k, b"A" * 500)]).refs
@@ -124,12 +144,10 @@ def test_divergent_versions_stand_side_by_side(engines, master):
     assert ra.checksum != rb.checksum
     client = mc.acquire(_cfg(master), segment_bytes=0)
     try:
-        shared = MooncakeObjects(client, master.address)
-        (current,) = shared.lookup([k])
+        shared = MooncakeObjects(client, master.address, max_object_nbytes=LARGEST)
+        (current,), data = shared.fetch([k])
         assert current == rb  # the last put is current, as in /dev/shm
-        data, present = shared.fetch([ra, rb])  # both exact versions remain
-        assert present.tolist() == [0, 1]
-        assert bytes(data) == b"A" * 500 + b"B" * 500
+        assert bytes(data) == b"B" * 500
         shared.close()
     finally:
         mc.release(client)
@@ -141,12 +159,15 @@ def test_a_corrupted_shared_object_is_refused(engines, master):
     a, b = engines
     k = key(3)
     (ref,) = put(a, [(k, payload(3, 2000))]).refs
-    bad = np.frombuffer(payload(4, 2000), np.uint8).copy()
+    # The header a wrote, over other bytes of the same length.
+    bad = np.zeros(HEADER.itemsize + 2000, np.uint8)
+    bad[: HEADER.itemsize].view(HEADER)[0] = (ref.checksum, 2000)
+    bad[HEADER.itemsize :] = np.frombuffer(payload(4, 2000), np.uint8)
     raw = _raw(master)
     try:
         assert raw.register_buffer(bad.ctypes.data, bad.nbytes) == 0
-        version = f"{PREFIX}{k}/{ref.checksum:016x}"
-        assert raw.batch_upsert_from([version], [bad.ctypes.data], [2000]) == [0]
+        ptr, n = bad.ctypes.data, bad.nbytes
+        assert raw.batch_upsert_from([PREFIX + k], [ptr], [n]) == [0]
         raw.unregister_buffer(bad.ctypes.data)
     finally:
         raw.close()
@@ -161,10 +182,10 @@ def test_master_down_costs_the_publisher_only_the_mirror(engines, master):
     res = put(a, [(key(1), payload(1, 3000))])  # stored locally all the same
     assert res.statuses == (PutStatus.WRITTEN,)
     assert a._local.lookup([key(1)]) == list(res.refs)
-    assert a.stats().shared_failures == 2  # the version and the pointer
+    assert a.stats().shared_failures == 1
     # Within the back-off the next put does not wait on the master.
     put(a, [(key(2), payload(2, 3000))])
-    assert a.stats().shared_failures == 4
+    assert a.stats().shared_failures == 2
     from vllm.distributed.artifact_connector.mooncake.client import (
         MooncakeUnavailableError,
     )

@@ -287,8 +287,8 @@ class ArtifactProm:
             ),
             "shared_failures": counter(
                 p + "store_shared_failures",
-                "Writes into the Mooncake Store that failed (other engines' "
-                "hits on those routes then miss).",
+                "Objects whose write into the Mooncake Store failed (other "
+                "engines recompute those blocks instead of loading their KV).",
             ),
         }
         self.ref_gauges = {

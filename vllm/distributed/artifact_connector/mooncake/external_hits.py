@@ -7,12 +7,12 @@ KV another engine computed is only worth loading if its routes can be
 returned: otherwise the request would fail, and so would every later one on
 that prefix, since the KV pool keeps offering the same KV. Before the
 scheduler takes a connector's external hit, it asks here how many of the
-hit's leading blocks have a pointer in the shared tier (one batched
+hit's leading blocks have an object in the shared tier (one batched
 existence query, on the engine thread); the hit is cut to those, and the
 engine recomputes the rest, which gives their routes. KV stays
 authoritative: a cut only recomputes KV the engine could have loaded.
 
-A pointer found here can still vanish before the worker pulls it (Mooncake
+An object found here can still vanish before the worker pulls it (Mooncake
 evicting in between): that request fails with ``ObjectMissingError``, and
 the next one is cut here."""
 
@@ -45,7 +45,9 @@ class ExternalHits:
         self._keys = KeySpace(cfg.key_namespace(rank))
         # Joins without contributing memory: the worker's client holds it.
         self._client = mc.acquire(cfg, segment_bytes=0)
-        self._shared = MooncakeObjects(self._client, str(cfg.mooncake_master), 1 << 16)
+        self._shared = MooncakeObjects(
+            self._client, str(cfg.mooncake_master), staging_bytes=0
+        )
         self._last_warning = 0.0
 
     def routed_tokens(self, request: Request, num_local: int, num_external: int) -> int:

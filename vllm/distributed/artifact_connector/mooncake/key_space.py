@@ -77,6 +77,16 @@ class KeySpaceTerms:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
 
+def max_object_nbytes(vllm_config: VllmConfig) -> int:
+    """The largest artifact object of this engine's key space: a full block
+    of rows and its envelope (the terms fix both for every engine)."""
+    from vllm.config.artifact import routed_experts_row_spec
+    from vllm.distributed.artifact_connector.request_core import ENVELOPE_NBYTES
+
+    spec = routed_experts_row_spec(vllm_config)
+    return vllm_config.cache_config.block_size * spec.row_nbytes + ENVELOPE_NBYTES
+
+
 def terms_key(key_space: str) -> str:
     return "vllm-artifact-key-space/" + hashlib.sha256(key_space.encode()).hexdigest()
 

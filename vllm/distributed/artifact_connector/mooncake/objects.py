@@ -3,22 +3,21 @@
 """Artifact objects in a Mooncake Store, shared by every engine of a key
 space.
 
-Two Mooncake objects per artifact object, both written in one batched call
-each:
+One Mooncake object per artifact object, ``vllm-artifact/<key>``: a 16-byte
+header (the checksum and length of the bytes) and the bytes, written in one
+batched upsert. The last put of a key is the one read, as in the
+``/dev/shm`` store; a read gets one whole put or nothing, and verifies it
+against its header before returning anything.
 
-* the **version** ``vllm-artifact/<key>/<checksum>``: the object's bytes.
-  Its name carries its checksum, so it is immutable: two engines that put
-  the same key with the same bytes write the same version, and an engine
-  whose bytes differ (a near-tie routed the other way in another batch)
-  writes its own version beside it instead of replacing the first;
-* the **pointer** ``vllm-artifact/<key>``: 16 bytes, the checksum and
-  length of the key's current version (the last one put, as in the
-  ``/dev/shm`` store).
+One object, not a version and a pointer to it: Mooncake places every object
+in some engine's segment and drops it with that segment, so two objects per
+key could be split (a pointer surviving an engine restart that took its
+version), and a scheduler that found the key would take KV whose routes
+are gone. With one object, a key that exists can be read.
 
-A lookup reads pointers; a fetch reads versions and verifies every
-checksum before returning anything. Mooncake may evict either under
-memory pressure, and forgets everything when its master restarts: a
-missing pointer or version is a miss, never a partial answer.
+Mooncake may evict an object under memory pressure, and forgets everything
+when its master restarts: a missing object is a miss, never a partial
+answer.
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ from vllm.distributed.artifact_connector.store import (
 )
 
 PREFIX = "vllm-artifact/"
-_POINTER = np.dtype([("checksum", "<u8"), ("nbytes", "<u8")])
+HEADER = np.dtype([("checksum", "<u8"), ("nbytes", "<u8")])
+_H = HEADER.itemsize
 
 
 class _Staging:
@@ -71,12 +71,33 @@ class _Staging:
             self.buf = np.empty(0, np.uint8)
 
 
-class MooncakeObjects:
-    """Put, look up and fetch artifact objects in a Mooncake Store (see the
-    module docs). Thread-safe (one lock: the staging buffer)."""
+def _runs(sizes: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each run of equal consecutive sizes: full blocks
+    come as one run, so they are copied as one 2-D assignment."""
+    if not len(sizes):
+        return []
+    cuts = (np.flatnonzero(np.diff(sizes)) + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, len(sizes)]))
 
-    def __init__(self, client: Any, master: str, staging_bytes: int = 4 << 20) -> None:
+
+class MooncakeObjects:
+    """Put, test and fetch artifact objects in a Mooncake Store (see the
+    module docs). Thread-safe (one lock: the staging buffer).
+
+    ``max_object_nbytes`` bounds the objects :meth:`fetch` reads (the key
+    space's full block: its block size times its row size, plus the
+    envelope)."""
+
+    def __init__(
+        self,
+        client: Any,
+        master: str,
+        *,
+        max_object_nbytes: int = 0,
+        staging_bytes: int = 4 << 20,
+    ) -> None:
         self.master = master
+        self.max_object_nbytes = max_object_nbytes
         self._client = client
         self._lock = threading.Lock()
         self._staging = _Staging(client, staging_bytes)
@@ -93,62 +114,37 @@ class MooncakeObjects:
         data: np.ndarray,
         offsets: np.ndarray,
     ) -> int:
-        """Put the versions of ``keys`` (object ``i`` is ``data[offsets[i]:
-        offsets[i] + refs[i].nbytes]``) and point the keys at them; returns
-        how many of the ``2 * len(keys)`` Mooncake writes failed."""
+        """Put ``keys`` (object ``i`` is ``data[offsets[i]: offsets[i] +
+        refs[i].nbytes]``, objects back to back); returns how many of the
+        ``len(keys)`` writes Mooncake refused."""
         n = len(keys)
         if not n:
             return 0
         sizes = np.fromiter((r.nbytes for r in refs), np.int64, n)
-        total = int(data.nbytes)
+        header = np.empty(n, HEADER)
+        header["checksum"] = np.fromiter((r.checksum for r in refs), np.uint64, n)
+        header["nbytes"] = sizes
+        header_bytes = header.view(np.uint8).reshape(n, _H)
+        at = np.asarray(offsets, np.int64) + _H * np.arange(1, n + 1)  # bytes
         with self._lock:
-            buf = self._staging.reserve(total + n * _POINTER.itemsize)
-            buf[:total] = data
-            pointers = buf[total : total + n * _POINTER.itemsize].view(_POINTER)
-            pointers["checksum"] = np.fromiter((r.checksum for r in refs), np.uint64, n)
-            pointers["nbytes"] = sizes
+            buf = self._staging.reserve(int(data.nbytes) + n * _H)
+            for a, b in _runs(sizes):
+                s, o = int(sizes[a]), int(at[a]) - _H
+                dst = buf[o : o + (b - a) * (_H + s)].reshape(b - a, _H + s)
+                dst[:, :_H] = header_bytes[a:b]
+                src = int(offsets[a])
+                dst[:, _H:] = data[src : src + (b - a) * s].reshape(b - a, s)
             base = buf.ctypes.data
-            versions = [f"{PREFIX}{k}/{r.checksum:016x}" for k, r in zip(keys, refs)]
-            rcs = self._client.batch_put_from(
-                versions, (base + offsets).tolist(), sizes.tolist()
-            )
-            # Pointers after versions: a pointer never names a version that
-            # is not there yet.
-            rcs += self._client.batch_upsert_from(
-                [PREFIX + k for k in keys],
-                (base + total + _POINTER.itemsize * np.arange(n)).tolist(),
-                [_POINTER.itemsize] * n,
-            )
+            rcs = self._client.batch_upsert_from(
+                [PREFIX + k for k in keys], (base + at - _H).tolist(),
+                (sizes + _H).tolist(),
+            )  # fmt: skip
         return sum(1 for rc in rcs if rc < 0)
 
     # ------------------------------------------------------------ reads
-    def lookup(self, keys: Sequence[str]) -> list[ObjectRef | None]:
-        """The current version of each key (``None`` where Mooncake has no
-        pointer). Raises :class:`MooncakeUnavailableError` when the master
-        cannot answer."""
-        n = len(keys)
-        if not n:
-            return []
-        with self._lock:
-            buf = self._staging.reserve(n * _POINTER.itemsize)
-            base = buf.ctypes.data
-            rcs = self._client.batch_get_into(
-                [PREFIX + k for k in keys],
-                (base + _POINTER.itemsize * np.arange(n)).tolist(),
-                [_POINTER.itemsize] * n,
-            )
-            found = buf[: n * _POINTER.itemsize].view(_POINTER).copy()
-        self._raise_for(rcs, keys, expect=[_POINTER.itemsize] * n)
-        return [
-            ObjectRef(k, int(p["checksum"]), int(p["nbytes"]))
-            if rc == _POINTER.itemsize
-            else None
-            for k, p, rc in zip(keys, found, rcs)
-        ]
-
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key has a pointer (metadata only: about a tenth of
-        :meth:`lookup`'s time, docs/benchmarks.md). Raises
+        """Whether each key has an object (metadata only: about a tenth of
+        :meth:`fetch`'s time, docs/benchmarks.md). Raises
         :class:`MooncakeUnavailableError` when the master cannot answer."""
         if not keys:
             return []
@@ -160,49 +156,72 @@ class MooncakeObjects:
             )
         return [f == 1 for f in found]
 
-    def fetch(self, refs: Sequence[ObjectRef]) -> tuple[np.ndarray, np.ndarray]:
-        """The exact versions ``refs`` back to back, each verified against its
-        checksum, and their offsets; a version Mooncake no longer has drops
-        out (the returned refs' order is kept for the rest): returns
-        ``(data, present)`` where ``present`` indexes ``refs``."""
-        n = len(refs)
-        sizes = np.fromiter((r.nbytes for r in refs), np.int64, n)
-        offsets = np.zeros(n, np.int64)
-        np.cumsum(sizes[:-1], out=offsets[1:])
-        total = int(sizes.sum())
+    def fetch(self, keys: Sequence[str]) -> tuple[list[ObjectRef], np.ndarray]:
+        """The objects of ``keys`` that Mooncake has, each verified against
+        its header, and their bytes back to back (in ``keys``' order).
+        Raises :class:`MooncakeUnavailableError` when the master cannot
+        answer and :class:`ChecksumMismatchError` for an object that does
+        not match its header."""
+        n = len(keys)
+        if not n:
+            return [], np.empty(0, np.uint8)
+        slot = _H + self.max_object_nbytes
         with self._lock:
-            buf = self._staging.reserve(total)
+            buf = self._staging.reserve(n * slot)
             base = buf.ctypes.data
-            rcs = self._client.batch_get_into(
-                [f"{PREFIX}{r.key}/{r.checksum:016x}" for r in refs],
-                (base + offsets).tolist(),
-                sizes.tolist(),
-            )
-            data = buf[:total].copy()
-        self._raise_for(rcs, [r.key for r in refs], expect=sizes.tolist())
-        present = np.flatnonzero(np.asarray(rcs, np.int64) == sizes)
-        mv = data.data
-        for i in present.tolist():
-            o = int(offsets[i])
-            if checksum(mv[o : o + refs[i].nbytes]) != refs[i].checksum:
+            rcs = np.asarray(
+                self._client.batch_get_into(
+                    [PREFIX + k for k in keys], (base + slot * np.arange(n)).tolist(),
+                    [slot] * n,
+                ),
+                np.int64,
+            )  # fmt: skip
+            self._raise_for(rcs, keys)
+            present = np.flatnonzero(rcs != OBJECT_NOT_FOUND)
+            slots = buf[: n * slot].reshape(n, slot)
+            header = np.ascontiguousarray(slots[present, :_H]).view(HEADER).ravel()
+            sizes = rcs[present] - _H
+            wrong = np.flatnonzero(header["nbytes"] != sizes)
+            if len(wrong):
                 raise ChecksumMismatchError(
-                    f"artifact object {refs[i].key} read from the Mooncake Store "
+                    f"artifact object {keys[int(present[wrong[0]])]} read from the "
+                    f"Mooncake Store (master {self.master}) does not match its "
+                    "recorded length"
+                )
+            offsets = np.zeros(len(present), np.int64)
+            np.cumsum(sizes[:-1], out=offsets[1:])
+            data = np.empty(int(sizes.sum()), np.uint8)
+            for a, b in _runs(sizes):
+                s, o = int(sizes[a]), int(offsets[a])
+                rows = data[o : o + (b - a) * s].reshape(b - a, s)
+                rows[:] = slots[present[a:b], _H : _H + s]
+        mv = data.data
+        refs = []
+        for j, i in enumerate(present.tolist()):
+            o, s, want = int(offsets[j]), int(sizes[j]), int(header["checksum"][j])
+            if checksum(mv[o : o + s]) != want:
+                raise ChecksumMismatchError(
+                    f"artifact object {keys[i]} read from the Mooncake Store "
                     f"(master {self.master}) does not match its checksum"
                 )
-        if len(present) < n:
-            data = data[np.repeat(np.asarray(rcs, np.int64) == sizes, sizes)]
-        return data, present
+            refs.append(ObjectRef(keys[i], want, s))
+        return refs, data
 
-    def _raise_for(self, rcs: Sequence[int], keys: Sequence[str], expect) -> None:
-        for rc, key, want in zip(rcs, keys, expect):
-            if rc in (OBJECT_NOT_FOUND, want):
-                continue
-            what = (
-                "has a different size than recorded"
-                if rc >= 0 or rc == BUFFER_TOO_SMALL
-                else f"could not be read (Mooncake error {rc})"
-            )
+    def _raise_for(self, rcs: np.ndarray, keys: Sequence[str]) -> None:
+        bad = np.flatnonzero((rcs < _H) & (rcs != OBJECT_NOT_FOUND))
+        if not len(bad):
+            return
+        key, rc = keys[int(bad[0])], int(rcs[bad[0]])
+        where = f"artifact object {key} in the Mooncake Store (master {self.master})"
+        if rc >= 0:
+            raise ChecksumMismatchError(f"{where} is shorter than its header")
+        if rc == BUFFER_TOO_SMALL:
             raise MooncakeUnavailableError(
-                f"artifact object {key} in the Mooncake Store (master "
-                f"{self.master}) {what}; is mooncake_master running?"
+                f"{where} is larger than this key space's objects "
+                f"({self.max_object_nbytes} bytes); do all its engines use the "
+                "same routed_experts_dtype?"
             )
+        raise MooncakeUnavailableError(
+            f"{where} could not be read (Mooncake error {rc}); is mooncake_master "
+            "running?"
+        )

@@ -4,8 +4,8 @@
 store, with a Mooncake Store shared by the key space's engines behind it.
 
 * **put**: objects go into the local store (which decides what is new) and
-  what is new there is mirrored into the shared tier, in one batched call
-  for the versions and one for the pointers. A failed mirror costs other
+  what is new there is mirrored into the shared tier, in one batched call.
+  A failed mirror costs other
   engines their hits on these objects (their schedulers find no pointer
   and recompute), never this engine's own answers: it is counted and
   logged, not raised.
@@ -35,6 +35,7 @@ from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.key_space import (
     KeySpaceTerms,
     agree,
+    max_object_nbytes,
 )
 from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
 from vllm.distributed.artifact_connector.store import (
@@ -95,7 +96,9 @@ class SharedTierWriter(ObjectStoreWriter):
             terms = KeySpaceTerms.of(vllm_config)
             master, space = str(cfg.mooncake_master), str(cfg.key_space)
             agree(client, master, space, terms)
-            shared = MooncakeObjects(client, master)
+            shared = MooncakeObjects(
+                client, master, max_object_nbytes=max_object_nbytes(vllm_config)
+            )
         except BaseException:
             if client is not None:
                 mc.release(client)
@@ -143,23 +146,23 @@ class SharedTierWriter(ObjectStoreWriter):
 
     def _mirror(self, keys, refs, data, offsets) -> None:
         if time.monotonic() < self._mirror_after:
-            failed = 2 * len(keys)
+            failed = len(keys)
         else:
             try:
                 failed = self._shared.put(keys, refs, data, offsets)
             except ArtifactError as e:
-                failed = 2 * len(keys)
+                failed = len(keys)
                 self._warn(f"mirroring {len(keys)} objects failed: {e}")
             else:
                 if failed:
                     self._warn(
-                        f"the Mooncake Store refused {failed} of {2 * len(keys)} "
+                        f"the Mooncake Store refused {failed} of {len(keys)} "
                         "writes (full, or its master restarting)"
                     )
             if failed:
                 self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
         with self._lock:
-            self._counts["shared_puts"] += len(keys) - failed // 2
+            self._counts["shared_puts"] += len(keys) - failed
             self._counts["shared_failures"] += failed
 
     def _warn(self, msg: str) -> None:
@@ -193,13 +196,9 @@ class SharedTierWriter(ObjectStoreWriter):
         missing = [k for k, ref in zip(keys, local) if ref is None]
         if not missing:
             return
-        refs = [r for r in self._shared.lookup(missing) if r is not None]
-        if not refs:
+        got, data = self._shared.fetch(missing)
+        if not got:
             return
-        data, present = self._shared.fetch(refs)
-        if not len(present):
-            return
-        got = [refs[i] for i in present.tolist()]
         sums = np.fromiter((r.checksum for r in got), np.uint64, len(got))
 
         def fill(buf: np.ndarray) -> np.ndarray:
