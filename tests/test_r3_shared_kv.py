@@ -9,7 +9,9 @@ from the shared key space and for the rest (the partial last block, the
 completion) from its own forward; every array is checked against
 transformers' router in float32. Both ways KV moves between engines here:
 a pool both engines read and write (``kv_both``), and a prefill/decode
-pair (``kv_producer`` -> ``kv_consumer``). Faults: the shared routes
+pair (``kv_producer`` -> ``kv_consumer``). Faults: the prefill engine
+restarted (the routes its segment held go with it; the decode engine takes
+the blocks whose routes survived and recomputes the rest), the shared routes
 removed behind the engines and the master stopped (the KV is recomputed
 instead of loaded, routes exact) and restarted (loaded again), and an
 engine that hashes blocks differently refused at startup."""
@@ -109,7 +111,10 @@ def _from_storage(out) -> int:
 def test_prefill_decode_pair(tiny_moe, master, tmp_path):
     """A prefill engine (kv_producer) computes the prompt and one token; the
     decode engine (kv_consumer) loads its KV and returns the routes of every
-    token it executed: the prefill engine's for the loaded blocks."""
+    token it executed: the prefill engine's for the loaded blocks. Then the
+    prefill engine is restarted (its Mooncake client and segment go, and a
+    new one joins the key space): whatever the old one's segment held, the
+    decode engine's routes stay exact, and the new one's are shared."""
     prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
     decode = _engine(tiny_moe, master, tmp_path, "kv_consumer")
     try:
@@ -120,6 +125,23 @@ def test_prefill_decode_pair(tiny_moe, master, tmp_path):
         for out in outs:
             assert _loaded(out) == _from_storage(out) > 0
             assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        (late,) = _prompts("pd-late")[:1]
+        prefill.generate([late], greedy(1), use_tqdm=False)
+        _close(prefill)
+        prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
+        # Routes the old engine's segment held are gone, those in another
+        # segment are not: the hit is taken up to the first block without
+        # routes (any whole number of blocks), the rest recomputed, and the
+        # routes are exact either way.
+        (out,) = decode.generate([late], greedy(4), use_tqdm=False)
+        assert _loaded(out) % BLOCK == 0
+        assert 0 <= _loaded(out) <= _from_storage(out)
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        (fresh,) = _prompts("pd-restarted")[:1]
+        prefill.generate([fresh], greedy(1), use_tqdm=False)
+        (out,) = decode.generate([fresh], greedy(4), use_tqdm=False)
+        assert _loaded(out) == _from_storage(out) > 0
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     finally:
         _close(prefill, decode)
 
