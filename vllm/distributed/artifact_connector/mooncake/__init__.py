@@ -6,7 +6,7 @@ computed (a KV pool shared through storage, a prefill engine's KV) finds
 its routes.
 
 * :mod:`.client` - one Mooncake client per process and master;
-* :mod:`.objects` - immutable versions and current pointers in Mooncake;
+* :mod:`.objects` - one Mooncake object per artifact object (header, bytes);
 * :mod:`.key_space` - the terms engines of a key space must agree on;
 * :mod:`.tiered` - :class:`SharedTierWriter`, the engine's ``/dev/shm``
   store with the shared tier behind it (the store contract's writer).

@@ -5,10 +5,9 @@ store, with a Mooncake Store shared by the key space's engines behind it.
 
 * **put**: objects go into the local store (which decides what is new) and
   what is new there is mirrored into the shared tier, in one batched call.
-  A failed mirror costs other
-  engines their hits on these objects (their schedulers find no pointer
-  and recompute), never this engine's own answers: it is counted and
-  logged, not raised.
+  A failed mirror costs other engines their hits on these objects (their
+  schedulers find no object and recompute), never this engine's own
+  answers: it is counted and logged, not raised.
 * **retain**: as the local store; keys the local store lacks (KV another
   engine computed: a shared KV pool, a prefill engine) are pulled from the
   shared tier at once, verified, into the local store, where the
