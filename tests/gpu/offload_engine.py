@@ -4,7 +4,9 @@
 is process-wide state): the fork with R3 and a 40-block device KV cache, with
 (``offload``) or without (``plain``) CPU KV offload (``OffloadingConnector``,
 kv_both). A 200-token prompt, four others that push its blocks out of the
-device cache, then the prompt again. Writes ``<out>/offload_<name>.json``:
+device cache, then the prompt again. ``simple`` runs the same with the
+other CPU offload connector the config accepts (``SimpleCPUOffloadConnector``,
+kv_both). Writes ``<out>/offload_<name>.json``:
 cached tokens, tokens, routes (and the error, if any) of both runs."""
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ def main(name: str, out_dir: str) -> None:
         enable_routed_experts=True,
         artifact_config={"shm_root": f"/dev/shm/r3-gpu-offload-{os.getpid()}"},
     )
-    if name == "offload":
+    connector = {
+        "offload": "OffloadingConnector",
+        "simple": "SimpleCPUOffloadConnector",
+    }
+    if name in connector:
         kw["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector",
+            "kv_connector": connector[name],
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": 256 << 20},
         }

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""R3 with CPU KV offload on the GPU (``OffloadingConnector``, kv_both; it
-runs only on CUDA-like devices, so not on the CPU harness). A prompt's
+"""R3 with CPU KV offload on the GPU (``OffloadingConnector`` and
+``SimpleCPUOffloadConnector``, kv_both; they run only on CUDA-like devices,
+so not on the CPU harness). A prompt's
 blocks leave the 40-block device cache and come back from CPU memory: the
 prefix hit they serve must return the routes this engine stored when it
 computed them, equal to an engine without offload that recomputes them.
@@ -36,7 +37,7 @@ def _run(name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def plain():
     try:
         import torch
 
@@ -44,11 +45,12 @@ def runs():
             pytest.skip("no GPU")
     except ImportError:
         pytest.skip("no torch")
-    return _run("offload"), _run("plain")
+    return _run("plain")
 
 
-def test_offloaded_prefix_hit_returns_the_stored_routes(runs):
-    offload, plain = runs
+@pytest.mark.parametrize("connector", ["offload", "simple"])
+def test_offloaded_prefix_hit_returns_the_stored_routes(plain, connector):
+    offload = _run(connector)
     # Without offload the prompt's blocks were gone: recomputed.
     assert plain["again"]["cached"] == 0
     # With it, its full blocks came back from CPU memory.
