@@ -39,6 +39,7 @@ from vllm.config.artifact import (
     routed_experts_row_spec,
     verify_artifact_config,
 )
+from vllm.config.artifact_transfer import loads_shared_kv
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -402,6 +403,8 @@ def test_accepts_local_kv_offload(tiny_moe, kv_transfer_config):
     cfg = _build_r3(tiny_moe, kv_transfer_config=kv_transfer_config)
     assert cfg.artifact_config.enable_routed_experts is True
     assert cfg.kv_transfer_config.kv_connector == kv_transfer_config["kv_connector"]
+    # Its hits are this engine's own KV: taken whole, never cut.
+    assert not loads_shared_kv(cfg.kv_transfer_config)
 
 
 def test_rejects_adaptive_speculative_verification(tiny_moe):
@@ -798,6 +801,7 @@ def test_accepts_shared_kv_with_the_shared_store(tiny_moe, role, monkeypatch):
     )
     assert cfg.artifact_config.key_namespace(0) == "key-space:k"
     assert cfg.artifact_config.key_namespace(1) == "key-space:k"
+    assert loads_shared_kv(cfg.kv_transfer_config)  # its hits are cut
 
 
 def test_serve_flags_take_the_shared_store_and_shared_kv(parser, tiny_moe):

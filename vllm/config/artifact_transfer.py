@@ -55,6 +55,17 @@ def check_kv_connectors(cfg: "ArtifactConfig", kv, reject: Reject) -> None:
         )
 
 
+def loads_shared_kv(kv) -> bool:
+    """Whether a connector of ``kv`` loads KV other engines computed. Only
+    those hits are cut to the blocks whose routes the shared tier has: CPU
+    offload's KV is this engine's own, with its routes in the local store,
+    and OffloadingConnector expects the hit it offered (a chunk's partial
+    tail included) to be taken whole."""
+    return kv is not None and any(
+        name in SHARED_KV_CONNECTORS for name, _ in _kv_connectors(kv)
+    )
+
+
 def check_mooncake(cfg: "ArtifactConfig", what: str, reject: Reject) -> None:
     if not cfg.mooncake_master or not re.fullmatch(
         r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}", cfg.mooncake_master

@@ -29,6 +29,7 @@ from vllm.config.artifact import (
     check_prefix_caching_for_routed_experts,
     routed_experts_row_spec,
 )
+from vllm.config.artifact_transfer import loads_shared_kv
 from vllm.distributed.artifact_connector.frontend import split_abort_items
 from vllm.distributed.artifact_connector.metrics import ArtifactStatsCollector
 from vllm.distributed.artifact_connector.protocol import (
@@ -120,7 +121,9 @@ class ArtifactSchedulerConnector:
         self._ready: list[tuple[int, EngineCoreOutput]] = []
         self._stats = ArtifactStatsCollector()
         self._external: ExternalHits | None = None
-        if cfg.backend == "mooncake":
+        if cfg.backend == "mooncake" and loads_shared_kv(
+            vllm_config.kv_transfer_config
+        ):
             from vllm.distributed.artifact_connector.mooncake import external_hits
 
             self._external = external_hits.ExternalHits(vllm_config, hash_block_size)
@@ -237,9 +240,10 @@ class ArtifactSchedulerConnector:
         self, request: Request, num_local: int, num_external: int
     ) -> int:
         """How many of the ``num_external`` tokens a KV connector offers to
-        load after ``num_local`` to take: all of them, but with a shared
-        tier only the leading blocks it has routes for (``ExternalHits``);
-        the engine recomputes the rest."""
+        load after ``num_local`` to take: all of them, but from a connector
+        that loads KV other engines computed only the leading blocks the
+        shared tier has routes for (``ExternalHits``); the engine recomputes
+        the rest."""
         if self._external is None:
             return num_external
         return self._external.routed_tokens(request, num_local, num_external)
