@@ -9,8 +9,7 @@ from the shared key space and for the rest (the partial last block, the
 completion) from its own forward; every array is checked against
 transformers' router in float32. Both ways KV moves between engines here:
 a pool both engines read and write (``kv_both``), and a prefill/decode
-pair (``kv_producer`` -> ``kv_consumer``), the decode engine also as
-``vllm serve`` answering an OpenAI completion. Faults: the prefill engine
+pair (``kv_producer`` -> ``kv_consumer``). Faults: the prefill engine
 restarted (the routes its segment held go with it; the decode engine takes
 the blocks whose routes survived and recomputes the rest), the shared routes
 removed behind the engines and the master stopped (the KV is recomputed
@@ -19,22 +18,11 @@ engine that hashes blocks differently refused at startup."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 from utils.mooncake import running_master
-from utils.r3 import (
-    SHARED_PREFIX,
-    assert_completion_exact,
-    assert_exact,
-    engine_kwargs,
-    greedy,
-    http_post,
-    r3_server,
-    serve_flags,
-    shm_root,
-)
+from utils.r3 import SHARED_PREFIX, assert_exact, engine_kwargs, greedy
 
 pytestmark = pytest.mark.engine
 
@@ -53,34 +41,26 @@ def master():
         yield m
 
 
-def _kv_transfer(storage, role: str) -> dict:
-    return {
-        "kv_connector": "ExampleConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-    }
-
-
-def _shared_tier(master) -> dict:
-    return dict(
-        backend="mooncake",
-        key_space=KEY_SPACE,
-        mooncake_master=master.address,
-        mooncake_segment_bytes=64 << 20,
-        mooncake_buffer_bytes=16 << 20,
-    )
-
-
 def _engine(model, master, storage, role: str, **overrides):
     from vllm import LLM
 
     kwargs = engine_kwargs(
         model,
         disable_log_stats=False,
-        kv_transfer_config=_kv_transfer(storage, role),
+        kv_transfer_config={
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        },
         **overrides,
     )
-    kwargs["artifact_config"].update(_shared_tier(master))
+    kwargs["artifact_config"].update(
+        backend="mooncake",
+        key_space=KEY_SPACE,
+        mooncake_master=master.address,
+        mooncake_segment_bytes=64 << 20,
+        mooncake_buffer_bytes=16 << 20,
+    )
     return LLM(**kwargs)
 
 
@@ -164,35 +144,6 @@ def test_prefill_decode_pair(tiny_moe, master, tmp_path):
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     finally:
         _close(prefill, decode)
-
-
-def test_decode_engine_over_http(tiny_moe, master, tmp_path):
-    """The decode engine as ``vllm serve`` (kv_consumer, its flags as a user
-    passes them) behind a prefill engine: an OpenAI completion returns the
-    routes of the whole request, the loaded blocks' from the prefill
-    engine, and its usage counts them as cached."""
-    prefill = _engine(
-        tiny_moe, master, tmp_path, "kv_producer", served_model_name="tiny"
-    )
-    root = shm_root()
-    flags = serve_flags(root, **_shared_tier(master))
-    flags += ["--kv-transfer-config", json.dumps(_kv_transfer(tmp_path, "kv_consumer"))]
-    try:
-        with r3_server(tiny_moe, flags, root, "test-r3-shared-kv-serve.log") as srv:
-            for prompt in _prompts("pd-http"):
-                (done,) = prefill.generate([prompt], greedy(1), use_tqdm=False)
-                status, body = http_post(srv.base_url, "/v1/completions", {
-                    "model": "tiny", "prompt": prompt, "max_tokens": 4,
-                    "temperature": 0.0, "return_token_ids": True,
-                    "ignore_eos": True,
-                })  # fmt: skip
-                assert status == 200, body
-                assert body["choices"][0]["prompt_token_ids"] == done.prompt_token_ids
-                cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-                assert cached == _from_storage(done) > 0
-                assert_completion_exact(tiny_moe, body)
-    finally:
-        _close(prefill)
 
 
 def test_pool_hit_on_kv_the_other_engine_computed(pool, tiny_moe):

@@ -45,8 +45,6 @@ import msgspec
 import numpy as np
 import xxhash  # type: ignore[import-not-found,unused-ignore]
 
-from vllm_host_transport.mooncake import new_client
-
 #: The host-transport edge an engine hands routes on: (from, to).
 EDGE = ("vllm-engine", "routed-experts")
 #: Transports a reference can name.
@@ -233,16 +231,17 @@ _mooncake_clients: dict[str, Any] = {}
 
 
 def _mooncake(master: str) -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise RouteRefTransportError(
+            f"fetching from a Mooncake Store needs its client ({e}): pip install "
+            "mooncake-transfer-engine-non-cuda"
+        ) from e
     with _connectors_lock:
         store = _mooncake_clients.get(master)
         if store is None:
-            try:
-                store = new_client()
-            except ImportError as e:
-                raise RouteRefTransportError(
-                    "fetching from a Mooncake Store needs its client "
-                    f"({e}): pip install mooncake-transfer-engine-non-cuda"
-                ) from e
+            store = MooncakeDistributedStore()
             rc = store.setup(
                 os.environ.get("VLLM_MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"),
                 "P2PHANDSHAKE",

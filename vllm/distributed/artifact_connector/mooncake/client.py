@@ -11,7 +11,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.artifact_connector.store import StoreIOError
-from vllm_host_transport.mooncake import new_client
 
 if TYPE_CHECKING:
     from vllm.config.artifact import ArtifactConfig
@@ -47,12 +46,13 @@ def acquire(cfg: ArtifactConfig, *, segment_bytes: int | None = None) -> Any:
             _clients[ident] = (held[0], held[1] + 1)
             return held[0]
         try:
-            client: Any = new_client()
+            from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
             raise MooncakeUnavailableError(
                 f"Mooncake's client is missing ({e}): pip install "
                 "mooncake-transfer-engine-non-cuda"
             ) from e
+        client: Any = MooncakeDistributedStore()
         rc = client.setup(
             cfg.mooncake_local_hostname,
             "P2PHANDSHAKE",
