@@ -77,6 +77,7 @@ from vllm.distributed.artifact_connector.request_core import (
     read_rows,
 )
 from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
+from vllm.distributed.artifact_connector.route_results import RouteResults
 from vllm.distributed.artifact_connector.shm import (
     ShmStoreReader,
     ShmStoreWriter,
@@ -398,7 +399,8 @@ def bench_finish_batch(root: str, n: int, rows: int, reps: int) -> dict:
         t0 = time.perf_counter()
         read_batch(reader, SPEC, reads)
         batched.append(time.perf_counter() - t0)
-    route_reader = RouteReader(reader, SPEC)
+    results = RouteResults()
+    route_reader = RouteReader(reader, SPEC, results)
     jobs = [RouteRead(a.req_id, 1, r, a.num_rows) for a, r in zip(acks, reads)]
     engine_s, done_s, worst_gap, p99_gap = [], [], [], []
     for _ in range(reps):
@@ -413,7 +415,7 @@ def bench_finish_batch(root: str, n: int, rows: int, reps: int) -> dict:
             now = time.perf_counter()
             gaps.append(now - last)
             t1 = time.perf_counter()
-            got += len(route_reader.take_done())
+            got += len(results.take())
             last = time.perf_counter()
             spent += last - t1
         done_s.append(time.perf_counter() - t0)

@@ -223,9 +223,11 @@ if os.environ.get("BENCH_R3_TIMERS"):
             return out
 
         mod.read_batch = read_batch
-        orig_take = mod.RouteReader.take_done
 
-        def take_done(self, _orig=orig_take):
+    def _patch_route_results(mod):
+        orig_take = mod.RouteResults.take
+
+        def take(self, _orig=orig_take):
             t = time.perf_counter()
             w = time.time()
             done = _orig(self)
@@ -234,7 +236,7 @@ if os.environ.get("BENCH_R3_TIMERS"):
                 _REC.append((w, "sched.take_done", time.perf_counter() - t, None, ids))
             return done
 
-        mod.RouteReader.take_done = take_done
+        mod.RouteResults.take = take
 
     def _patch_publisher(mod):
         p = mod.ArtifactPublisher
@@ -246,6 +248,7 @@ if os.environ.get("BENCH_R3_TIMERS"):
         "vllm.distributed.artifact_connector.worker": _patch_worker,
         "vllm.distributed.artifact_connector.publisher": _patch_publisher,
         "vllm.distributed.artifact_connector.route_reader": _patch_route_reader,
+        "vllm.distributed.artifact_connector.route_results": _patch_route_results,
     }
 
     class _Loader(importlib.abc.Loader):

@@ -25,6 +25,7 @@ from vllm.distributed.artifact_connector.request_core import (
     tail_block_hash,
 )
 from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
+from vllm.distributed.artifact_connector.route_results import RouteResults
 from vllm.distributed.artifact_connector.shm import (
     ShmStoreReader,
     ShmStoreWriter,
@@ -325,7 +326,8 @@ def test_the_route_reader_never_makes_the_engine_thread_wait(store, shm_root):
     w, _ = store
     reqs = _requests(w, 5)
     held = _HeldReader(ShmStoreReader(shm_root, w.namespace))
-    reads = RouteReader(held, SPEC)  # type: ignore[arg-type]
+    results = RouteResults()
+    reads = RouteReader(held, SPEC, results)  # type: ignore[arg-type]
     try:
         jobs = [
             RouteRead(f"r{i}", 1, RowsRead(table(refs), len(t), 2), len(t) - 1)
@@ -335,16 +337,16 @@ def test_the_route_reader_never_makes_the_engine_thread_wait(store, shm_root):
         reads.submit(jobs)
         assert held.reading.wait(30)
         # The read is stuck; the engine side goes on.
-        assert reads.take_done() == [] and reads.pending == 5
-        reads.wait_done(0.01)
-        assert reads.take_done() == [] and time.monotonic() - t0 < 20
+        assert results.take() == [] and results.pending == 5
+        results.wait(0.01)
+        assert results.take() == [] and time.monotonic() - t0 < 20
         held.release.set()
         done = []
         deadline = time.monotonic() + 30
         while len(done) < 5 and time.monotonic() < deadline:
-            reads.wait_done(0.1)
-            done += reads.take_done()
-        assert reads.pending == 0
+            results.wait(0.1)
+            done += results.take()
+        assert results.pending == 0
         by_id = {res.req_id: res for res in done}
         for i, (truth, _) in enumerate(reqs):
             res = by_id[f"r{i}"]
@@ -356,37 +358,52 @@ def test_the_route_reader_never_makes_the_engine_thread_wait(store, shm_root):
         reads.close()
 
 
-class _DyingReader:
-    """A reader whose read kills the reader thread (an exception no read
-    path catches), after which reads must still be answered."""
+class _DyingOnceReader:
+    """A real store reader whose first read kills the reader thread (an
+    exception no read path catches)."""
+
+    def __init__(self, reader):
+        self._reader = reader
+        self.died = False
 
     def read_into(self, *args, **kwargs):
-        raise SystemExit("stand-in for a crash of the thread")
+        if not self.died:
+            self.died = True
+            raise SystemExit("stand-in for a crash of the thread")
+        return self._reader.read_into(*args, **kwargs)
 
     def close(self):
-        pass
+        self._reader.close()
 
 
-def test_reads_after_the_reader_thread_died_fail_at_once(store):
+def _wait_results(results, n):
+    done = []
+    deadline = time.monotonic() + 30
+    while len(done) < n and time.monotonic() < deadline:
+        results.wait(0.1)
+        done += results.take()
+    return done
+
+
+def test_the_reader_thread_fails_what_it_held_and_is_started_again(store, shm_root):
     """No request waits forever for a reader thread that is gone: the read
-    in flight and every later one get an ArtifactError."""
+    in flight gets an ArtifactError, and the next read is served exactly by
+    a new thread."""
     w, _ = store
     (t0, refs0), (t1, refs1) = _requests(w, 2, seed=5)
-    reads = RouteReader(_DyingReader(), SPEC)  # type: ignore[arg-type]
+    results = RouteResults()
+    dying = _DyingOnceReader(ShmStoreReader(shm_root, w.namespace))
+    reads = RouteReader(dying, SPEC, results)  # type: ignore[arg-type]
     try:
         reads.submit([RouteRead("a", 1, RowsRead(table(refs0), len(t0)), len(t0))])
-        done = []
-        deadline = time.monotonic() + 30
-        while not done and time.monotonic() < deadline:
-            reads.wait_done(0.1)
-            done += reads.take_done()
+        (a,) = _wait_results(results, 1)
+        assert a.req_id == "a" and a.rows is None
+        assert a.error.startswith("ArtifactError: the route reader thread died")
         reads.submit([RouteRead("b", 1, RowsRead(table(refs1), len(t1)), len(t1))])
-        done += reads.take_done()
-        assert [r.req_id for r in done] == ["a", "b"]
-        for r in done:
-            assert r.rows is None
-            assert r.error.startswith("ArtifactError: the route reader thread died")
-        assert reads.pending == 0
+        (b,) = _wait_results(results, 1)
+        assert b.req_id == "b" and b.error is None
+        np.testing.assert_array_equal(b.rows, t1)
+        assert results.pending == 0
     finally:
         reads.close()
 
@@ -394,7 +411,8 @@ def test_reads_after_the_reader_thread_died_fail_at_once(store):
 def test_the_route_reader_reports_a_store_fault_per_request(store, shm_root):
     w, _ = store
     (t0, refs0), (t1, refs1) = _requests(w, 2)
-    reads = RouteReader(ShmStoreReader(shm_root, w.namespace), SPEC)
+    results = RouteResults()
+    reads = RouteReader(ShmStoreReader(shm_root, w.namespace), SPEC, results)
     try:
         bad = table([refs1[0]._replace(checksum=refs1[0].checksum ^ 1), *refs1[1:]])
         reads.submit(
@@ -403,10 +421,7 @@ def test_the_route_reader_reports_a_store_fault_per_request(store, shm_root):
                 RouteRead("lost", 1, RowsRead(bad, len(t1)), len(t1)),
             ]
         )
-        done = []
-        while len(done) < 2:
-            reads.wait_done(1.0)
-            done += reads.take_done()
+        done = _wait_results(results, 2)
         by_id = {res.req_id: res for res in done}
         np.testing.assert_array_equal(by_id["ok"].rows, t0)
         assert by_id["lost"].rows is None

@@ -56,6 +56,9 @@ MODELS_WITHOUT_PREFIX_CACHING = {
 # responses of 32k tokens of a 48-layer top-8 model), for 10 minutes.
 DEFAULT_REF_MAX_BYTES = 4 << 30
 DEFAULT_REF_TTL_S = 600.0
+DEFAULT_REF_HANDOFF_TIMEOUT_S = 5.0
+# The frontend's own deadline for a held request sums the engine's bounds.
+MAX_REF_HANDOFF_TIMEOUT_S = 30.0
 
 
 def default_shm_root() -> str:
@@ -130,6 +133,15 @@ class ArtifactConfig:
     ref_ttl_s: float = Field(default=DEFAULT_REF_TTL_S, gt=0)
     """Seconds a reference's routes wait to be fetched before they are
     removed."""
+
+    ref_handoff_timeout_s: float = Field(
+        default=DEFAULT_REF_HANDOFF_TIMEOUT_S, gt=0, le=MAX_REF_HANDOFF_TIMEOUT_S
+    )
+    """Seconds a finished request waits for its routes to be handed out by
+    reference (its put into ``ref_transport``); past it the request ends with
+    ``RouteRefPublishError`` and no routes, and while the transport stays
+    that slow later references fail at once, retried after a pause of 1 s
+    doubling to 8 s. Inline requests never wait for a hand-off."""
 
     ref_transport: Literal["host", "mooncake"] = "host"
     """Where references' routes wait: ``host``, this node's host transport

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from vllm.distributed.artifact_connector.protocol import ACK_TIMEOUT_S
+from vllm.config.artifact import MAX_REF_HANDOFF_TIMEOUT_S
+from vllm.distributed.artifact_connector.protocol import ACK_TIMEOUT_S, READ_TIMEOUT_S
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
 
@@ -41,9 +42,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# How long an aborted request waits for the engine's terminal output: past
-# the engine's own acknowledgement timeout, which answers with a reason.
-ABORT_WAIT_S = ACK_TIMEOUT_S + 10.0
+# How long a request the frontend ended (an abort, a stop string) waits for
+# the engine's terminal output: past the sum of the engine's own bounds on a
+# finished request (acknowledgement, read, hand-off), each of which answers
+# with a reason; this one is for an engine that never answers.
+ABORT_WAIT_S = ACK_TIMEOUT_S + READ_TIMEOUT_S + MAX_REF_HANDOFF_TIMEOUT_S + 10.0
 
 
 # Why a streaming-input request is refused (each input chunk would start a
@@ -57,7 +60,8 @@ STREAMING_INPUT_UNSUPPORTED = (
 
 
 class ArtifactAbortTimeout(ArtifactError):
-    """An aborted request's terminal output did not come from the engine."""
+    """The terminal output of a request the frontend ended (an abort, a stop
+    string) did not come from the engine."""
 
 
 # ---------------------------------------------------------------- aborts
@@ -101,6 +105,12 @@ def split_abort_items(items: Iterable[Any]) -> tuple[list[str], list[str]]:
             gone.append(item[0])
     return ids, gone
 
+
+# Why a request the engine ended with an error of its own carries no routes.
+ENGINE_ERROR_WITHOUT_ROUTES = (
+    "ArtifactError: the engine ended the request with an error before its "
+    "routes were read"
+)
 
 # Why an aborted request that had returned no token carries no routes.
 ABORTED_BEFORE_FIRST_TOKEN = (
@@ -146,10 +156,30 @@ def hold_abort(req_state: RequestState) -> bool:
     return True
 
 
+def hold_stops(processor: OutputProcessor, req_ids: list[str]) -> list[str]:
+    """After the aborts of requests that ended at a stop string were sent:
+    give each one held for its routes the abort's deadline; returns their
+    ids (for :func:`expire_pending_aborts`)."""
+    deadline = time.monotonic() + ABORT_WAIT_S
+    held = []
+    for req_id in req_ids:
+        req_state = processor.request_states.get(req_id)
+        if (
+            req_state is not None
+            and req_state.pending_stop is not None
+            and req_state.pending_abort_deadline is None
+        ):
+            req_state.pending_abort_deadline = deadline
+            held.append(req_id)
+    return held
+
+
 def expire_pending_aborts(processor: OutputProcessor, req_ids: list[str]) -> None:
-    """Finish the requests among ``req_ids`` whose abort still waits for the
-    engine past its deadline, without routes and saying why (AsyncLLM calls
-    this once the deadline has passed)."""
+    """Finish the requests among ``req_ids`` that still wait for the engine
+    past their deadline (an abort, or a stop string: :func:`hold_stops`),
+    without routes and saying why (AsyncLLM calls this once the deadline has
+    passed). A stop string without routes is an error, as in
+    :func:`finish_pending`."""
     from vllm.v1.engine import FinishReason
 
     now = time.monotonic()
@@ -158,16 +188,18 @@ def expire_pending_aborts(processor: OutputProcessor, req_ids: list[str]) -> Non
         deadline = None if req_state is None else req_state.pending_abort_deadline
         if req_state is None or deadline is None or now < deadline:
             continue
+        stop = req_state.pending_stop
         error = ArtifactAbortTimeout(
             f"the engine sent no terminal output within {ABORT_WAIT_S:g} s of "
-            "the abort, so the aborted request carries no routes"
+            f"the {'stop string' if stop is not None else 'abort'}, so the "
+            "request carries no routes"
         )
         logger.error("request %s: %s", req_id, error)
         req_state.pending_abort_deadline = None
+        req_state.pending_stop = None
         req_state.routed_experts_error = f"{type(error).__name__}: {error}"
-        output = req_state.make_request_output(
-            [], None, FinishReason.ABORT, None, None, None
-        )
+        reason = FinishReason.ABORT if stop is None else FinishReason.ERROR
+        output = req_state.make_request_output([], None, reason, stop, None, None)
         if output is not None and req_state.queue is not None:
             req_state.queue.put(output)
         processor.lora_states.request_finished(req_id, req_state.lora_name)
@@ -198,10 +230,12 @@ def finish_pending(req_state: RequestState, output: EngineCoreOutput) -> bool:
     if req_state.pending_stop is None:  # an abort, routes or not
         output.finish_reason = FinishReason.ABORT
         output.stop_reason = None
-    elif output.artifact_error is None:
+    elif output.artifact_error is None and output.finish_reason != FinishReason.ERROR:
         output.finish_reason = FinishReason.STOP
         output.stop_reason = req_state.pending_stop
     else:  # no routes: fail like any other finish whose routes failed
+        if output.artifact_error is None:  # the engine failed it otherwise
+            output.artifact_error = ENGINE_ERROR_WITHOUT_ROUTES
         output.finish_reason = FinishReason.ERROR
     # Every token the engine executed reached the frontend before this
     # output, so the routes end num_past rows after the returned tokens.

@@ -63,6 +63,8 @@ KNOWN_ERRORS = (
     "WeightVersionMismatchError",
     "StoreCapacityError",
     "ArtifactAckTimeout",
+    "ArtifactReadTimeout",
+    "RouteRefPublishError",
     "CoverageError",
 )
 
@@ -228,8 +230,9 @@ class ArtifactProm:
                 self.failures.labels(*values, name)
         self.materialization = histogram(
             p + "materialization_seconds",
-            "Time the scheduler took to read and verify a finished request's "
-            "routes from the store (failed reads included).",
+            "Time the engine core's route reader took to read and verify a "
+            "finished request's routes from the store (failed reads included), "
+            "plus, by reference, the hand-off into the reference transport.",
             MATERIALIZATION_BUCKETS,
         )
         self.publish = histogram(

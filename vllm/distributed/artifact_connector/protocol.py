@@ -33,6 +33,10 @@ AttemptId = tuple[str, int]
 # How long the scheduler waits for a finish's acknowledgement before it
 # fails the request instead of hanging the engine.
 ACK_TIMEOUT_S = 60.0
+# How long it waits for the route reader to read an acknowledged request's
+# routes: reads are of the local store, under a millisecond per batch, so a
+# read this late means a stuck reader.
+READ_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ engine's output socket or the API server. Two places (``ref_transport``):
 What nobody fetches is bounded: a payload leaves after ``ref_ttl_s``, the
 oldest ones leave while more than ``ref_max_bytes`` wait, and everything
 left goes when the engine stops. Retiring a payload that was fetched is a
-no-op. Used by the route reader's thread only; counters are read by the
-engine's.
+no-op. Used by the hand-off thread only (``route_handoff.py``); counters
+are read by the engine's.
 """
 
 from __future__ import annotations
@@ -143,7 +143,6 @@ class RouteRefs:
     def publish(self, rows: np.ndarray, prompt_start: int) -> RoutedExpertsRef:
         """Put ``rows`` (an owned ``[rows, layers, top_k]`` array) under a
         fresh key; returns its reference."""
-        self.expire()
         rows = np.ascontiguousarray(rows)
         if rows.nbytes > self._max_bytes:
             raise RouteRefPublishError(
@@ -181,6 +180,16 @@ class RouteRefs:
         now = time.monotonic()
         while self._waiting and self._waiting[0].expires <= now:
             self._retire(self._waiting.popleft())
+
+    def retire(self, key: str) -> None:
+        """Remove one handed-out payload now: its request ended without the
+        reference (it came past the request's deadline)."""
+        for w in self._waiting:
+            if w.key == key:
+                self._waiting.remove(w)
+                self.waiting_bytes -= w.nbytes
+                self._sink.retire(key)
+                return
 
     def _retire(self, w: _Waiting) -> None:
         self.waiting_bytes -= w.nbytes

@@ -34,6 +34,7 @@ from vllm.distributed.artifact_connector.frontend import split_abort_items
 from vllm.distributed.artifact_connector.metrics import ArtifactStatsCollector
 from vllm.distributed.artifact_connector.protocol import (
     ACK_TIMEOUT_S,
+    READ_TIMEOUT_S,
     Abort,
     ArtifactSchedulerMeta,
     ArtifactWorkerReport,
@@ -47,9 +48,15 @@ from vllm.distributed.artifact_connector.request_core import (
     RowsRead,
     tail_block_hash,
 )
+from vllm.distributed.artifact_connector.route_handoff import Handoff, RouteHandoff
 from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
-from vllm.distributed.artifact_connector.route_refs import RouteRefs
+from vllm.distributed.artifact_connector.route_refs import (
+    RouteRefPublishError,
+    RouteRefs,
+)
+from vllm.distributed.artifact_connector.route_results import RouteResults
 from vllm.distributed.artifact_connector.scheduler_state import (
+    HELD,
     AttemptState,
     Outbox,
     Phase,
@@ -78,6 +85,10 @@ class ArtifactAckTimeout(ArtifactError):
     """The publishing worker did not acknowledge a finished request in time."""
 
 
+class ArtifactReadTimeout(ArtifactError):
+    """The route reader did not read a finished request's routes in time."""
+
+
 class ArtifactSchedulerConnector:
     """See the module docs."""
 
@@ -101,10 +112,15 @@ class ArtifactSchedulerConnector:
         namespace = cfg.namespace(vllm_config.parallel_config.data_parallel_rank)
         # The workers (and the store's writer) exist before the scheduler.
         self._default_format = cfg.routed_experts_format
+        # Reads and hand-offs by reference on threads of their own; both
+        # post here.
+        self._results = RouteResults()
         self._reads = RouteReader(
-            ShmStoreReader(cfg.shm_root, namespace),
-            self.spec,
-            lambda: RouteRefs(cfg),
+            ShmStoreReader(cfg.shm_root, namespace), self.spec, self._results
+        )
+        self._handoff_timeout_s = cfg.ref_handoff_timeout_s
+        self._handoff = RouteHandoff(
+            self._results, lambda: RouteRefs(cfg), cfg.ref_handoff_timeout_s
         )
         self._step_empty = False
         self._records: dict[str, RequestRecord] = {}
@@ -152,10 +168,7 @@ class ArtifactSchedulerConnector:
         # per request (the base's own block hasher runs per request per step).
         for record in self._records.values():
             live, parked = record.live, record.parked
-            if (live is None and parked is None) or record.phase in (
-                Phase.FINISHING,
-                Phase.READING,
-            ):
+            if (live is None and parked is None) or record.phase in HELD:
                 continue
             request = requests[record.req_id]
             if live is not None and len(request.block_hashes) > live.hashes_sent:
@@ -294,7 +307,7 @@ class ArtifactSchedulerConnector:
                 )
             else:
                 return
-        if record.phase in (Phase.FINISHING, Phase.READING):
+        if record.phase in HELD:
             return
         engine_finish = ended_in_engine(request)
         aborted_with_tokens = (
@@ -324,6 +337,7 @@ class ArtifactSchedulerConnector:
         )
         record.engine_finish = engine_finish
         record.ended = time.monotonic()
+        record.deadline = record.ended + ACK_TIMEOUT_S
         if not engine_finish:
             # finish_requests() emits nothing for aborts; this output carries
             # the routes to the caller that waits.
@@ -383,9 +397,7 @@ class ArtifactSchedulerConnector:
         output (with its routes) itself."""
         record = self._records.get(req_id)
         return (
-            record is not None
-            and record.phase in (Phase.FINISHING, Phase.READING)
-            and not record.engine_finish
+            record is not None and record.phase in HELD and not record.engine_finish
         ) or any(o.request_id == req_id for _, o in self._ready)
 
     def has_pending(self) -> bool:
@@ -436,13 +448,13 @@ class ArtifactSchedulerConnector:
                 # end past the boundary (a block a step scheduled before the
                 # finish completed): cut there.
                 record.phase = Phase.READING
+                record.deadline = now + READ_TIMEOUT_S
                 reads.append(
                     RouteRead(
                         ack.req_id,
                         ack.attempt,
                         RowsRead(ack.refs, ack.num_rows, record.first_row),
                         min(record.num_rows, ack.num_rows),
-                        record.as_ref,
                     )
                 )
             self._reads.submit(reads)
@@ -467,16 +479,11 @@ class ArtifactSchedulerConnector:
                     record.live = None
                     record.error = error
                     to_fail[failure.req_id] = error
-        self._take_reads()
-        for record in list(self._records.values()) if self._num_finishing else ():
-            if record.phase is Phase.FINISHING and now - record.ended > ACK_TIMEOUT_S:
-                stats.publish_s.append(now - record.ended)
-                timeout = ArtifactAckTimeout(
-                    f"no acknowledgement of request {record.req_id} from the "
-                    f"publishing worker within {ACK_TIMEOUT_S:g} s"
-                )
-                logger.error("%s", timeout)
-                self._emit(record, None, f"{type(timeout).__name__}: {timeout}")
+        self._take_results()
+        if self._num_finishing:
+            for record in list(self._records.values()):
+                if record.phase in HELD and now > record.deadline:
+                    self._expire(record, now)
         for client_index, output in self._ready:
             outputs[client_index].append(output)
         self._ready.clear()
@@ -493,23 +500,81 @@ class ArtifactSchedulerConnector:
                     )
                 )
 
-    def _take_reads(self) -> None:
-        reads = self._reads
-        # Records wait for an acknowledgement (FINISHING) or a read
-        # (READING, one pending read each): none waits for an ack when all
-        # finishing records are being read.
-        if self._step_empty and reads.pending and reads.pending == self._num_finishing:
-            # Nothing to schedule and nothing but reads to wait for: wait
+    def _take_results(self) -> None:
+        results = self._results
+        # Held records wait for an acknowledgement (FINISHING), a read
+        # (READING) or a hand-off (HANDING_OFF), one pending result each in
+        # the last two: none waits for an ack when all are pending.
+        if (
+            self._step_empty
+            and results.pending
+            and results.pending == self._num_finishing
+        ):
+            # Nothing to schedule and nothing but results to wait for: wait
             # for one instead of spinning through empty steps on the
-            # interpreter the reader needs (a new request waits 2 ms at most).
-            reads.wait_done(0.002)
-        for res in reads.take_done():
-            self._out.releases.append(Release(res.req_id, res.attempt))
+            # interpreter the threads need (a new request waits 2 ms at most).
+            results.wait(0.002)
+        handoffs = []
+        for res in results.take():
             record = self._records.get(res.req_id)
-            if record is None or record.phase is not Phase.READING:
+            phase = Phase.HANDING_OFF if res.handed_off else Phase.READING
+            if record is None or record.phase is not phase:
+                # Its deadline passed (the objects were released then): a
+                # reference nobody gets is removed now.
+                if res.ref is not None:
+                    self._handoff.retire(res.ref.key)
+                continue
+            if res.handed_off:
+                self._stats.materialization_s.append(record.read_s + res.seconds)
+                self._emit(record, None, res.error, ref=res.ref)
+                continue
+            # Read: the objects are not needed any more.
+            self._out.releases.append(Release(res.req_id, res.attempt))
+            if res.error is None and record.as_ref:
+                assert res.rows is not None
+                record.phase = Phase.HANDING_OFF
+                record.read_s = res.seconds
+                record.deadline = time.monotonic() + self._handoff_timeout_s
+                handoffs.append(
+                    Handoff(
+                        res.req_id,
+                        res.attempt,
+                        res.rows,
+                        record.first_row,
+                        record.deadline,
+                    )
+                )
                 continue
             self._stats.materialization_s.append(res.seconds)
-            self._emit(record, res.rows, res.error, ref=res.ref)
+            self._emit(record, res.rows, res.error)
+        self._handoff.submit(handoffs)
+
+    def _expire(self, record: RequestRecord, now: float) -> None:
+        """A held request's bound ran out: it leaves without routes, with the
+        typed reason of the phase it was stuck in, and releases what it
+        holds."""
+        error: ArtifactError
+        if record.phase is Phase.FINISHING:
+            self._stats.publish_s.append(now - record.ended)
+            error = ArtifactAckTimeout(
+                f"no acknowledgement of request {record.req_id} from the "
+                f"publishing worker within {ACK_TIMEOUT_S:g} s"
+            )
+        elif record.phase is Phase.READING:
+            self._out.releases.append(Release(record.req_id, record.finalized))
+            error = ArtifactReadTimeout(
+                f"the route reader did not read the routes of request "
+                f"{record.req_id} within {READ_TIMEOUT_S:g} s"
+            )
+        else:
+            error = RouteRefPublishError(
+                f"the routes of request {record.req_id} were not handed out "
+                f"by reference within ref_handoff_timeout_s "
+                f"({self._handoff_timeout_s:g} s); the reference transport is "
+                "slow or down"
+            )
+        logger.error("%s", error)
+        self._emit(record, None, f"{type(error).__name__}: {error}")
 
     def _forget_prefix_block(self, block_hash: bytes) -> None:
         """A prefix hit found this block's routes gone (evicted from the
@@ -545,10 +610,7 @@ class ArtifactSchedulerConnector:
                     if eco.finish_reason is not None
                     else None
                 )
-                if record is None or record.phase not in (
-                    Phase.FINISHING,
-                    Phase.READING,
-                ):
+                if record is None or record.phase not in HELD:
                     kept.append(eco)
                 elif record.finalized == 0:  # no attempt can give routes
                     self._emit(record, None, record.error, eco)
@@ -605,9 +667,9 @@ class ArtifactSchedulerConnector:
         """The metrics since the last call, for ``SchedulerStats.
         artifact_stats`` (see ``metrics.py``); None when nothing changed.
         Called once per step."""
-        refs = self._reads.refs
+        refs = self._handoff.counters()
         if refs is not None:
-            self._stats.refs_snapshot(refs.counters())
+            self._stats.refs_snapshot(refs)
         return self._stats.take()
 
     def stats(self) -> dict[str, int]:
@@ -617,4 +679,5 @@ class ArtifactSchedulerConnector:
     def close(self) -> None:
         if self._external is not None:
             self._external.close()
+        self._handoff.close()
         self._reads.close()

@@ -36,6 +36,14 @@ class Phase(enum.Enum):
     READING = "reading"
     """Acknowledged; the route reader reads the rows, the terminal output
     waits for them."""
+    HANDING_OFF = "handing_off"
+    """Read and released; the rows are being handed out by reference, the
+    terminal output waits for the reference."""
+
+
+#: The phases in which a finished request's terminal output is held, each
+#: until a deadline (``RequestRecord.deadline``).
+HELD = (Phase.FINISHING, Phase.READING, Phase.HANDING_OFF)
 
 
 @dataclass
@@ -70,6 +78,10 @@ class RequestRecord:
     first_row: int = 0
     engine_finish: bool = False
     ended: float = 0.0
+    # When the held phase's bound runs out (time.monotonic()).
+    deadline: float = 0.0
+    # The read's reader time, for a request handed out by reference.
+    read_s: float = 0.0
     output: EngineCoreOutput | None = None
 
 

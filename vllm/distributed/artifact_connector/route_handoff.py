@@ -1,0 +1,254 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Handing read routes out by reference, on a thread of its own.
+
+The route reader reads rows from the local store (microseconds per object);
+a hand-off puts them into a transport that may be slow, down or frozen (a
+Mooncake master, another node's segment). The two never share a thread, so
+an inline read never waits behind a hand-off (:class:`RouteHandoff`).
+
+Every hand-off has a deadline (``ref_handoff_timeout_s``). The scheduler
+fails a request whose hand-off missed it with ``RouteRefPublishError``
+whatever the thread is doing; this thread only makes that cheap:
+
+* a job whose deadline has passed when its turn comes is failed, not
+  started;
+* a put that ends past its deadline is retired at once (nobody will get
+  its reference);
+* **a circuit breaker**: a put that overran its deadline, or one still
+  running past it, marks the transport down; jobs fail at once (the
+  engine thread sees it in :meth:`RouteHandoff.submit`) until a retry
+  after :data:`BREAKER_BASE_S`, doubling up to :data:`BREAKER_MAX_S` while
+  the transport stays slow.
+
+Any exception of the sink fails that one reference; the thread lives on.
+Expiry of unfetched payloads (``ref_ttl_s``) runs every
+:data:`EXPIRY_INTERVAL_S` under load as when idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm.distributed.artifact_connector.route_refs import RouteRefPublishError
+from vllm.distributed.artifact_connector.route_results import (
+    RouteResult,
+    RouteResults,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.artifact_connector.route_refs import RouteRefs
+    from vllm_host_transport.routed_experts import RoutedExpertsRef
+
+logger = init_logger(__name__)
+
+#: How often payloads past their TTL are removed.
+EXPIRY_INTERVAL_S = 1.0
+#: The transport's first pause after it overran a deadline, and the longest.
+BREAKER_BASE_S = 1.0
+BREAKER_MAX_S = 8.0
+#: How long :meth:`RouteHandoff.close` waits for a put in flight.
+CLOSE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """Rows ``[first_row, ...)`` of a finished attempt, read, to hand out."""
+
+    req_id: str
+    attempt: int
+    rows: np.ndarray
+    first_row: int
+    deadline: float  # time.monotonic()
+
+
+class RouteHandoff:
+    """See the module docs. :meth:`submit`, :meth:`retire`, :meth:`counters`
+    and :meth:`close` are called by the engine thread."""
+
+    def __init__(
+        self,
+        results: RouteResults,
+        make_refs: Callable[[], RouteRefs] | None,
+        timeout_s: float,
+    ) -> None:
+        self._results = results
+        self._make_refs = make_refs
+        self._timeout_s = timeout_s
+        self._refs: RouteRefs | None = None  # made on this thread, first job
+        self._cv = threading.Condition()
+        self._queued: list[Handoff] = []
+        self._to_retire: list[str] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # The breaker (under _cv): calls are skipped until _down_until.
+        self._down_until = 0.0
+        self._pause_s = BREAKER_BASE_S
+        self._down_reason = ""
+        # When the put in flight started (0.0: none), read by the engine.
+        self._busy_since = 0.0
+
+    # ------------------------------------------------------------ engine side
+    def submit(self, jobs: list[Handoff]) -> None:
+        if not jobs:
+            return
+        self._results.add_pending(len(jobs))
+        with self._cv:
+            down = self._down_now(time.monotonic())
+            if down is not None:
+                self._results.post([self._failed(j, down) for j in jobs])
+                return
+            if self._thread is None or not self._thread.is_alive():
+                self._start()
+            self._queued.extend(jobs)
+            self._cv.notify_all()
+
+    def retire(self, key: str) -> None:
+        """Remove a handed-out payload whose request no longer wants it (its
+        result came after the engine gave up on it)."""
+        with self._cv:
+            self._to_retire.append(key)
+            self._cv.notify_all()
+
+    def counters(self) -> dict[str, int] | None:
+        refs = self._refs
+        return None if refs is None else refs.counters()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout=CLOSE_WAIT_S)
+        if thread.is_alive():
+            # Its sink is closed by the thread itself when the call returns;
+            # closing it under the call would free what the call uses.
+            logger.warning(
+                "a routed-experts hand-off is still in its transport after "
+                "%.0f s; it is left to finish and close the transport",
+                CLOSE_WAIT_S,
+            )
+
+    def _down_now(self, now: float) -> str | None:
+        """Why jobs fail at once now (under _cv), or None."""
+        if now < self._down_until:
+            return self._down_reason
+        busy = self._busy_since
+        if busy and now - busy > self._timeout_s:
+            return (
+                f"a hand-off has been in the reference transport for "
+                f"{now - busy:.1f} s (ref_handoff_timeout_s "
+                f"{self._timeout_s:g})"
+            )
+        return None
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="artifact-route-handoff", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _failed(job: Handoff, why: str) -> RouteResult:
+        return _result(job, None, f"RouteRefPublishError: {why}", 0.0)
+
+    # ------------------------------------------------------------ thread
+    def _run(self) -> None:
+        next_expiry = time.monotonic() + EXPIRY_INTERVAL_S
+        try:
+            while True:
+                with self._cv:
+                    if not (self._queued or self._to_retire or self._stop):
+                        self._cv.wait(max(0.0, next_expiry - time.monotonic()))
+                    if self._stop:
+                        return
+                    job = self._queued.pop(0) if self._queued else None
+                    retire, self._to_retire = self._to_retire, []
+                for key in retire:
+                    self._upkeep("retire", key)
+                if job is not None:
+                    self._results.post([self._hand_off(job)])
+                if time.monotonic() >= next_expiry:
+                    self._upkeep("expire")
+                    next_expiry = time.monotonic() + EXPIRY_INTERVAL_S
+        finally:
+            with self._cv:
+                left, self._queued = self._queued, []
+            self._results.post([self._failed(j, "the engine stopped") for j in left])
+            self._upkeep("close")
+
+    def _upkeep(self, what: str, key: str = "") -> None:
+        """Retire one payload, expire, or close; a fault is logged, never
+        raised (this thread serves every later reference)."""
+        refs = self._refs
+        if refs is None:
+            return
+        try:
+            if what == "retire":
+                refs.retire(key)
+            elif what == "expire":
+                refs.expire()
+            else:
+                refs.close()
+        except Exception:
+            logger.exception("routed-experts references: %s failed", what)
+
+    def _hand_off(self, job: Handoff) -> RouteResult:
+        start = time.monotonic()
+        if start > job.deadline:
+            return self._failed(job, "its deadline passed before its turn")
+        with self._cv:
+            down = self._down_now(start)
+            if down is not None:
+                return self._failed(job, down)
+            self._busy_since = start
+        ref = error = None
+        try:
+            ref = self._route_refs().publish(job.rows, job.first_row)
+        except RouteRefPublishError as e:
+            error = f"RouteRefPublishError: {e}"
+        except Exception as e:  # a sink fault: this reference fails, not us
+            logger.exception("handing routes out by reference failed")
+            error = f"RouteRefPublishError: the reference transport failed: {e!r}"
+        end = time.monotonic()
+        with self._cv:
+            self._busy_since = 0.0
+            if end - start > self._timeout_s:
+                self._down_until = end + self._pause_s
+                self._down_reason = (
+                    f"the reference transport took {end - start:.1f} s for one "
+                    f"payload (ref_handoff_timeout_s {self._timeout_s:g}); "
+                    f"references are paused for {self._pause_s:g} s"
+                )
+                logger.warning("routed-experts references: %s", self._down_reason)
+                self._pause_s = min(self._pause_s * 2, BREAKER_MAX_S)
+            elif error is None:
+                self._pause_s = BREAKER_BASE_S
+        if ref is not None and end > job.deadline:
+            self._upkeep("retire", ref.key)
+            ref, error = None, "RouteRefPublishError: handed out past its deadline"
+        return _result(job, ref, error, end - start)
+
+    def _route_refs(self) -> RouteRefs:
+        if self._refs is None:
+            if self._make_refs is None:
+                raise RouteRefPublishError(
+                    "this engine hands out no routed-experts references"
+                )
+            self._refs = self._make_refs()  # raises RouteRefPublishError
+        return self._refs
+
+
+def _result(
+    job: Handoff, ref: RoutedExpertsRef | None, error: str | None, seconds: float
+) -> RouteResult:
+    return RouteResult(job.req_id, job.attempt, None, error, seconds, ref, True)
