@@ -81,7 +81,7 @@ class RouteHandoff:
     ) -> None:
         self._results = results
         self._make_refs = make_refs
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self._refs: RouteRefs | None = None  # made on this thread, first job
         self._cv = threading.Condition()
         self._queued: list[Handoff] = []
@@ -143,11 +143,11 @@ class RouteHandoff:
         if now < self._down_until:
             return self._down_reason
         busy = self._busy_since
-        if busy and now - busy > self._timeout_s:
+        if busy and now - busy > self.timeout_s:
             return (
                 f"a hand-off has been in the reference transport for "
                 f"{now - busy:.1f} s (ref_handoff_timeout_s "
-                f"{self._timeout_s:g})"
+                f"{self.timeout_s:g})"
             )
         return None
 
@@ -222,11 +222,11 @@ class RouteHandoff:
         end = time.monotonic()
         with self._cv:
             self._busy_since = 0.0
-            if end - start > self._timeout_s:
+            if end - start > self.timeout_s:
                 self._down_until = end + self._pause_s
                 self._down_reason = (
                     f"the reference transport took {end - start:.1f} s for one "
-                    f"payload (ref_handoff_timeout_s {self._timeout_s:g}); "
+                    f"payload (ref_handoff_timeout_s {self.timeout_s:g}); "
                     f"references are paused for {self._pause_s:g} s"
                 )
                 logger.warning("routed-experts references: %s", self._down_reason)

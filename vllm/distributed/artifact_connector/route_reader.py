@@ -67,8 +67,7 @@ class RouteReader:
         self._cv = threading.Condition()
         self._queued: list[RouteRead] = []
         self._stop = False
-        self._thread: threading.Thread | None = None
-        self._start()
+        self._thread = self._spawn()
 
     # ------------------------------------------------------------ engine side
     def submit(self, reads: list[RouteRead]) -> None:
@@ -78,10 +77,9 @@ class RouteReader:
         with self._cv:
             if self._stop:
                 raise RuntimeError("the route reader is closed")
-            assert self._thread is not None
             if not self._thread.is_alive():
                 logger.warning("restarting the routed-experts reader thread")
-                self._start()
+                self._thread = self._spawn()
             self._queued.extend(reads)
             self._cv.notify_all()
 
@@ -90,7 +88,6 @@ class RouteReader:
             self._stop = True
             self._cv.notify_all()
             thread = self._thread
-        assert thread is not None
         thread.join(timeout=CLOSE_WAIT_S)
         if not thread.is_alive():
             self._reader.close()
@@ -101,11 +98,12 @@ class RouteReader:
                 CLOSE_WAIT_S,
             )
 
-    def _start(self) -> None:
-        self._thread = threading.Thread(
+    def _spawn(self) -> threading.Thread:
+        thread = threading.Thread(
             target=self._run, name="artifact-route-reader", daemon=True
         )
-        self._thread.start()
+        thread.start()
+        return thread
 
     # ------------------------------------------------------------ thread
     def _run(self) -> None:

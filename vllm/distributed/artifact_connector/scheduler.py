@@ -118,7 +118,6 @@ class ArtifactSchedulerConnector:
         self._reads = RouteReader(
             ShmStoreReader(cfg.shm_root, namespace), self.spec, self._results
         )
-        self._handoff_timeout_s = cfg.ref_handoff_timeout_s
         self._handoff = RouteHandoff(
             self._results, lambda: RouteRefs(cfg), cfg.ref_handoff_timeout_s
         )
@@ -534,7 +533,7 @@ class ArtifactSchedulerConnector:
                 assert res.rows is not None
                 record.phase = Phase.HANDING_OFF
                 record.read_s = res.seconds
-                record.deadline = time.monotonic() + self._handoff_timeout_s
+                record.deadline = time.monotonic() + self._handoff.timeout_s
                 handoffs.append(
                     Handoff(
                         res.req_id,
@@ -570,7 +569,7 @@ class ArtifactSchedulerConnector:
             error = RouteRefPublishError(
                 f"the routes of request {record.req_id} were not handed out "
                 f"by reference within ref_handoff_timeout_s "
-                f"({self._handoff_timeout_s:g} s); the reference transport is "
+                f"({self._handoff.timeout_s:g} s); the reference transport is "
                 "slow or down"
             )
         logger.error("%s", error)
