@@ -76,9 +76,19 @@ def put_s(writer, keys, lengths, data, sums) -> float:
         buf[:] = data
         return sums
 
+    mirrored = isinstance(writer, SharedTierWriter)
+    before = _mirror_count(writer) if mirrored else 0
     t = time.perf_counter()
     writer.put_batch(keys, lengths, fill)
+    if mirrored:  # the mirror runs on the tier's thread: time it landing
+        while _mirror_count(writer) < before + len(keys):
+            time.sleep(0)
     return time.perf_counter() - t
+
+
+def _mirror_count(writer) -> int:
+    st = writer.stats()
+    return st.shared_puts + st.shared_failures
 
 
 def writer_pair(root: str, master: str):
@@ -94,7 +104,7 @@ def writer_pair(root: str, master: str):
         client = mc.acquire(cfg, segment_bytes=seg)
         local = ShmStoreWriter(root, uuid.uuid4().hex, capacity_bytes=2 << 30)
         shared = MooncakeObjects(client, master, max_object_nbytes=OBJECT_NBYTES)
-        out.append(SharedTierWriter(local, shared, client=client))
+        out.append(SharedTierWriter(local, shared, pull_timeout_s=10.0, client=client))
     return out
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from vllm.config.artifact import ArtifactConfig
-from vllm.distributed.artifact_connector import route_handoff
+from vllm.distributed.artifact_connector import breaker, route_handoff
 from vllm.distributed.artifact_connector.route_handoff import Handoff, RouteHandoff
 from vllm.distributed.artifact_connector.route_refs import RouteRefs
 from vllm.distributed.artifact_connector.route_results import RouteResults
@@ -110,7 +110,7 @@ def test_a_stuck_transport_fails_references_at_once_and_recovers(handoff):
     (later,) = results.take()
     assert time.monotonic() - t0 < 0.5
     assert later.req_id == "later" and later.ref is None
-    assert later.error.startswith("RouteRefPublishError: a hand-off has been in")
+    assert later.error.startswith("RouteRefPublishError: a call has been in")
     # The stuck put returns: its reference is handed out too late and
     # retired (nobody will get it), and the breaker pauses the transport.
     refs.hold.set()
@@ -120,9 +120,9 @@ def test_a_stuck_transport_fails_references_at_once_and_recovers(handoff):
     assert refs.counters()["waiting_bytes"] == ROWS.nbytes  # "warm" alone
     h.submit([_job("paused")])
     (paused,) = results.take()
-    assert "references are paused for 1 s" in paused.error
+    assert "calls are paused for 1 s" in paused.error
     # After the pause, references flow again.
-    time.sleep(route_handoff.BREAKER_BASE_S + 0.1)
+    time.sleep(breaker.BASE_S + 0.1)
     h.submit([_job("again", 5.0)])
     (again,) = _wait(results, 1)
     assert again.error is None, again.error

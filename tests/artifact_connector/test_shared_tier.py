@@ -7,10 +7,15 @@ publishes the other pulls, verified, into its local store; a key that
 exists can be read, also after the engine whose segment held part of the
 objects went; the last put of a key is read whole; a corrupted shared
 object is refused; the master going away costs the publisher nothing but
-the mirror; and the key space's terms are recorded once and enforced."""
+the mirror; a frozen master (SIGSTOP) holds no caller past its deadline and
+is called again after it resumes; and the key space's terms are recorded
+once and enforced."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import uuid
 
 import numpy as np
@@ -28,11 +33,15 @@ from vllm.distributed.artifact_connector.mooncake.objects import (
     PREFIX,
     MooncakeObjects,
 )
+from vllm.distributed.artifact_connector.mooncake.remote import (
+    SharedTierUnavailableError,
+)
 from vllm.distributed.artifact_connector.mooncake.tiered import SharedTierWriter
 from vllm.distributed.artifact_connector.shm import ShmStoreWriter
 from vllm.distributed.artifact_connector.store import (
     ChecksumMismatchError,
     PutStatus,
+    StoreIOError,
 )
 
 from .helpers import key, payload, put
@@ -43,6 +52,18 @@ pytest.importorskip(
 from utils.mooncake import running_master  # noqa: E402
 
 LARGEST = 6208  # the largest object the tests put
+PULL_S = 1.0
+
+
+def mirrored(writer: SharedTierWriter, n: int) -> tuple[int, int]:
+    """(puts, failures) once ``n`` objects' mirrors have ended: the mirror
+    runs on the shared tier's thread, after ``put_batch`` returned."""
+    deadline = time.monotonic() + 30
+    while True:
+        st = writer.stats()
+        if st.shared_puts + st.shared_failures >= n or time.monotonic() > deadline:
+            return st.shared_puts, st.shared_failures
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -71,7 +92,9 @@ def engines(master, shm_root):
         client = mc.acquire(cfg, segment_bytes=seg)
         local = ShmStoreWriter(shm_root, uuid.uuid4().hex)
         shared = MooncakeObjects(client, master.address, max_object_nbytes=LARGEST)
-        out.append(SharedTierWriter(local, shared, client=client))
+        out.append(
+            SharedTierWriter(local, shared, pull_timeout_s=PULL_S, client=client)
+        )
     yield out
     for w in out:
         w.close()
@@ -93,6 +116,7 @@ def test_what_one_engine_publishes_the_other_pulls(engines):
     items = [(key(i), payload(i, 6208)) for i in range(40)]
     res = put(a, items)
     assert set(res.statuses) == {PutStatus.WRITTEN}
+    assert mirrored(a, 40) == (40, 0)
     keys = [k for k, _ in items]
     assert b._local.lookup(keys) == [None] * 40  # b never had them
     refs = b.lookup(keys + [key(99)])
@@ -100,14 +124,14 @@ def test_what_one_engine_publishes_the_other_pulls(engines):
     assert refs[40] is None  # nobody published it
     # Pulled into b's own store, where retention and the reader find them.
     assert b._local.lookup(keys) == list(res.refs)
-    assert a.stats().shared_puts == 40 and b.stats().shared_pulls == 40
-    assert a.stats().shared_failures == 0
+    assert b.stats().shared_pulls == 40
 
 
 def test_retain_pulls_and_holds_whatever_mooncake_does_later(engines, master):
     a, b = engines
     items = [(key(i), payload(i, 1000)) for i in range(8)]
     put(a, items)
+    assert mirrored(a, 8) == (8, 0)
     keys = [k for k, _ in items]
     b.retain("req#1", keys)
     raw = _raw(master)
@@ -128,6 +152,7 @@ def test_a_key_that_exists_can_be_read_after_an_engine_goes(engines, master):
     a, b = engines
     items = [(key(i), payload(i, 3000)) for i in range(40)]
     refs = put(a, items).refs
+    assert mirrored(a, 40) == (40, 0)
     keys = [k for k, _ in items]
     a.close()  # its client and segment go
     found = b._shared.exists(keys)
@@ -140,7 +165,9 @@ def test_the_last_put_of_a_key_is_read_whole(engines, master):
     a, b = engines
     k = key(7)
     (ra,) = put(a, [(k, b"A" * 500)]).refs
+    assert mirrored(a, 1) == (1, 0)
     (rb,) = put(b, [(k, b"B" * 500)]).refs  # b computed the block otherwise
+    assert mirrored(b, 1) == (1, 0)
     assert ra.checksum != rb.checksum
     client = mc.acquire(_cfg(master), segment_bytes=0)
     try:
@@ -159,6 +186,7 @@ def test_a_corrupted_shared_object_is_refused(engines, master):
     a, b = engines
     k = key(3)
     (ref,) = put(a, [(k, payload(3, 2000))]).refs
+    assert mirrored(a, 1) == (1, 0)
     # The header a wrote, over other bytes of the same length.
     bad = np.zeros(HEADER.itemsize + 2000, np.uint8)
     bad[: HEADER.itemsize].view(HEADER)[0] = (ref.checksum, 2000)
@@ -182,16 +210,50 @@ def test_master_down_costs_the_publisher_only_the_mirror(engines, master):
     res = put(a, [(key(1), payload(1, 3000))])  # stored locally all the same
     assert res.statuses == (PutStatus.WRITTEN,)
     assert a._local.lookup([key(1)]) == list(res.refs)
-    assert a.stats().shared_failures == 1
-    # Within the back-off the next put does not wait on the master.
+    assert mirrored(a, 1) == (0, 1)
+    # Within the back-off the next put does not call the master.
     put(a, [(key(2), payload(2, 3000))])
-    assert a.stats().shared_failures == 2
-    from vllm.distributed.artifact_connector.mooncake.client import (
-        MooncakeUnavailableError,
-    )
-
-    with pytest.raises(MooncakeUnavailableError, match="mooncake_master"):
+    assert mirrored(a, 2) == (0, 2)
+    with pytest.raises(StoreIOError, match="mooncake_master|Mooncake Store"):
         b.lookup([key(1)])
+
+
+def test_a_frozen_master_holds_no_caller_past_its_deadline(engines, master):
+    """SIGSTOP: Mooncake's calls would wait up to its own 30 s RPC timeout.
+    A put returns at once (its mirror is skipped), a pull fails within its
+    deadline and later ones at once; after SIGCONT the tier is used again."""
+    a, b = engines
+    put(a, [(key(1), payload(1, 3000))])
+    assert mirrored(a, 1) == (1, 0)
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        res = put(a, [(key(i), payload(i, 3000)) for i in range(2, 6)])
+        assert res.statuses == (PutStatus.WRITTEN,) * 4
+        put_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(SharedTierUnavailableError, match="no answer"):
+            b.lookup([key(1)])
+        first_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(SharedTierUnavailableError, match="paused"):
+            b.lookup([key(1)])
+        again_s = time.monotonic() - t0
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    assert put_s < PULL_S  # the put never waited for the mirror
+    assert PULL_S <= first_s < PULL_S + 1.0
+    assert again_s < 0.1  # the breaker answers, not the master
+    # Resumed: the mirror in flight lands, and pulls work after the pause.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            (ref,) = b.lookup([key(1)])
+            break
+        except SharedTierUnavailableError:
+            assert time.monotonic() < deadline, "the tier never came back"
+            time.sleep(0.2)
+    assert ref is not None and ref.key == key(1)
 
 
 def test_key_space_terms_are_recorded_once_and_enforced(master):

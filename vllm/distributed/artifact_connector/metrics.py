@@ -290,8 +290,9 @@ class ArtifactProm:
             ),
             "shared_failures": counter(
                 p + "store_shared_failures",
-                "Objects whose write into the Mooncake Store failed (other "
-                "engines recompute those blocks instead of loading their KV).",
+                "Objects whose write into the Mooncake Store failed, or was "
+                "skipped while the store was slow or down (other engines "
+                "recompute those blocks instead of loading their KV).",
             ),
         }
         self.ref_gauges = {

@@ -15,11 +15,11 @@ whatever the thread is doing; this thread only makes that cheap:
   started;
 * a put that ends past its deadline is retired at once (nobody will get
   its reference);
-* **a circuit breaker**: a put that overran its deadline, or one still
-  running past it, marks the transport down; jobs fail at once (the
-  engine thread sees it in :meth:`RouteHandoff.submit`) until a retry
-  after :data:`BREAKER_BASE_S`, doubling up to :data:`BREAKER_MAX_S` while
-  the transport stays slow.
+* **a circuit breaker** (``breaker.py``): a put that overran its
+  deadline, or one still running past it, marks the transport down; jobs
+  fail at once (the engine thread sees it in :meth:`RouteHandoff.submit`)
+  until a retry after a pause that doubles while the transport stays
+  slow.
 
 Any exception of the sink fails that one reference; the thread lives on.
 Expiry of unfetched payloads (``ref_ttl_s``) runs every
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm.distributed.artifact_connector.breaker import Breaker
 from vllm.distributed.artifact_connector.route_refs import RouteRefPublishError
 from vllm.distributed.artifact_connector.route_results import (
     RouteResult,
@@ -51,9 +52,6 @@ logger = init_logger(__name__)
 
 #: How often payloads past their TTL are removed.
 EXPIRY_INTERVAL_S = 1.0
-#: The transport's first pause after it overran a deadline, and the longest.
-BREAKER_BASE_S = 1.0
-BREAKER_MAX_S = 8.0
 #: How long :meth:`RouteHandoff.close` waits for a put in flight.
 CLOSE_WAIT_S = 5.0
 
@@ -88,12 +86,9 @@ class RouteHandoff:
         self._to_retire: list[str] = []
         self._stop = False
         self._thread: threading.Thread | None = None
-        # The breaker (under _cv): calls are skipped until _down_until.
-        self._down_until = 0.0
-        self._pause_s = BREAKER_BASE_S
-        self._down_reason = ""
-        # When the put in flight started (0.0: none), read by the engine.
-        self._busy_since = 0.0
+        self._breaker = Breaker(
+            "the reference transport", timeout_s, "ref_handoff_timeout_s"
+        )
 
     # ------------------------------------------------------------ engine side
     def submit(self, jobs: list[Handoff]) -> None:
@@ -101,7 +96,7 @@ class RouteHandoff:
             return
         self._results.add_pending(len(jobs))
         with self._cv:
-            down = self._down_now(time.monotonic())
+            down = self._breaker.down()
             if down is not None:
                 self._results.post([self._failed(j, down) for j in jobs])
                 return
@@ -137,19 +132,6 @@ class RouteHandoff:
                 "%.0f s; it is left to finish and close the transport",
                 CLOSE_WAIT_S,
             )
-
-    def _down_now(self, now: float) -> str | None:
-        """Why jobs fail at once now (under _cv), or None."""
-        if now < self._down_until:
-            return self._down_reason
-        busy = self._busy_since
-        if busy and now - busy > self.timeout_s:
-            return (
-                f"a hand-off has been in the reference transport for "
-                f"{now - busy:.1f} s (ref_handoff_timeout_s "
-                f"{self.timeout_s:g})"
-            )
-        return None
 
     def _start(self) -> None:
         self._thread = threading.Thread(
@@ -206,11 +188,10 @@ class RouteHandoff:
         start = time.monotonic()
         if start > job.deadline:
             return self._failed(job, "its deadline passed before its turn")
-        with self._cv:
-            down = self._down_now(start)
-            if down is not None:
-                return self._failed(job, down)
-            self._busy_since = start
+        down = self._breaker.down(start)
+        if down is not None:
+            return self._failed(job, down)
+        self._breaker.begin(start)
         ref = error = None
         try:
             ref = self._route_refs().publish(job.rows, job.first_row)
@@ -220,19 +201,9 @@ class RouteHandoff:
             logger.exception("handing routes out by reference failed")
             error = f"RouteRefPublishError: the reference transport failed: {e!r}"
         end = time.monotonic()
-        with self._cv:
-            self._busy_since = 0.0
-            if end - start > self.timeout_s:
-                self._down_until = end + self._pause_s
-                self._down_reason = (
-                    f"the reference transport took {end - start:.1f} s for one "
-                    f"payload (ref_handoff_timeout_s {self.timeout_s:g}); "
-                    f"references are paused for {self._pause_s:g} s"
-                )
-                logger.warning("routed-experts references: %s", self._down_reason)
-                self._pause_s = min(self._pause_s * 2, BREAKER_MAX_S)
-            elif error is None:
-                self._pause_s = BREAKER_BASE_S
+        tripped = self._breaker.end(start, end, ok=error is None)
+        if tripped is not None:
+            logger.warning("routed-experts references: %s", tripped)
         if ref is not None and end > job.deadline:
             self._upkeep("retire", ref.key)
             ref, error = None, "RouteRefPublishError: handed out past its deadline"

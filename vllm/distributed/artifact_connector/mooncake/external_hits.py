@@ -8,9 +8,15 @@ returned: otherwise the request would fail, and so would every later one on
 that prefix, since the KV pool keeps offering the same KV. Before the
 scheduler takes a connector's external hit, it asks here how many of the
 hit's leading blocks have an object in the shared tier (one batched
-existence query, on the engine thread); the hit is cut to those, and the
-engine recomputes the rest, which gives their routes. KV stays
-authoritative: a cut only recomputes KV the engine could have loaded.
+existence query); the hit is cut to those, and the engine recomputes the
+rest, which gives their routes. KV stays authoritative: a cut only
+recomputes KV the engine could have loaded.
+
+The query runs on a thread of its own (``remote.py``) and the engine thread
+waits for it at most ``shared_check_timeout_s`` (50 ms): without an answer
+the whole hit is recomputed, and while the tier stays that slow it is not
+asked at all (a breaker), so a frozen master costs the step loop one wait,
+not one per request.
 
 An object found here can still vanish before the worker pulls it (Mooncake
 evicting in between): that request fails with ``ObjectMissingError``, and
@@ -21,8 +27,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from vllm.distributed.artifact_connector.breaker import Breaker
 from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
+from vllm.distributed.artifact_connector.mooncake.remote import RemoteCalls
 from vllm.distributed.artifact_connector.request_core import KeySpace
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
@@ -48,6 +56,15 @@ class ExternalHits:
         self._shared = MooncakeObjects(
             self._client, str(cfg.mooncake_master), staging_bytes=0
         )
+        self._timeout_s = cfg.shared_check_timeout_s
+        self._remote = RemoteCalls(
+            "artifact-external-hits",
+            Breaker(
+                f"the Mooncake Store (master {cfg.mooncake_master})",
+                self._timeout_s,
+                "shared_check_timeout_s",
+            ),
+        )
         self._last_warning = 0.0
 
     def routed_tokens(self, request: Request, num_local: int, num_external: int) -> int:
@@ -63,7 +80,9 @@ class ExternalHits:
             n = len(hashes)
         keys = [self._keys.key(self.weight_version, h, bs, tail=False) for h in hashes]
         try:
-            found = self._shared.exists(keys)
+            found = self._remote.call(
+                lambda: self._shared.exists(keys), self._timeout_s
+            )
         except ArtifactError as e:
             found = []
             self._warn(f"the shared tier did not answer ({e})")
@@ -84,6 +103,9 @@ class ExternalHits:
 
     def close(self) -> None:
         if self._client is not None:
-            self._shared.close()
-            mc.release(self._client)
+            # A call still in the client keeps it: closing it under the
+            # call would free what the call uses.
+            if self._remote.close():
+                self._shared.close()
+                mc.release(self._client)
             self._client = None

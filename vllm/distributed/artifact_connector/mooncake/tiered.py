@@ -4,8 +4,9 @@
 store, with a Mooncake Store shared by the key space's engines behind it.
 
 * **put**: objects go into the local store (which decides what is new) and
-  what is new there is mirrored into the shared tier, in one batched call.
-  A failed mirror costs other engines their hits on these objects (their
+  what is new there is mirrored into the shared tier, in one batched call
+  that the publication thread posts and does not wait for. A failed or
+  skipped mirror costs other engines their hits on these objects (their
   schedulers find no object and recompute), never this engine's own
   answers: it is counted and logged, not raised.
 * **retain**: as the local store; keys the local store lacks (KV another
@@ -15,6 +16,13 @@ store, with a Mooncake Store shared by the key space's engines behind it.
 * **lookup**: local; keys still missing are pulled first (their KV may
   have been loaded before the engine that computed it published them), so
   a miss is a miss in both tiers. The shared tier failing raises.
+
+Every call to the shared tier runs on one thread of its own
+(``remote.py``): a pull waits at most ``shared_pull_timeout_s``, a mirror
+or the key space's terms are posted, and a tier that overran that bound
+is not called (pulls fail, mirrors are skipped) until a retry after a
+pause. A slow, down or frozen master never holds the publication thread,
+so it never holds the step loop.
 
 The scheduler's route reader reads the local store only: by the time a
 request's acknowledgement names an object, it is local.
@@ -30,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm.distributed.artifact_connector.breaker import Breaker
 from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.key_space import (
     KeySpaceTerms,
@@ -37,6 +46,7 @@ from vllm.distributed.artifact_connector.mooncake.key_space import (
     max_object_nbytes,
 )
 from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
+from vllm.distributed.artifact_connector.mooncake.remote import RemoteCalls
 from vllm.distributed.artifact_connector.store import (
     ArtifactError,
     FillFn,
@@ -56,8 +66,8 @@ logger = init_logger(__name__)
 # How often the idle upkeep records the key space's terms again (a restarted
 # master forgets them, and would then take an engine that disagrees).
 TERMS_INTERVAL_S = 5.0
-# After a failed mirror, how long puts skip the shared tier: a put to a
-# master that is down blocks about 4 s, which would stall publication.
+# After the shared tier refused writes (full, or its master restarting), how
+# long mirrors are skipped.
 MIRROR_BACKOFF_S = 5.0
 
 
@@ -69,11 +79,21 @@ class SharedTierWriter(ObjectStoreWriter):
         local: ObjectStoreWriter,
         shared: MooncakeObjects,
         *,
+        pull_timeout_s: float,
         rejoin: Any = None,
         client: Any = None,
     ) -> None:
         self._local = local
         self._shared = shared
+        self._pull_timeout_s = pull_timeout_s
+        self._remote = RemoteCalls(
+            "artifact-shared-tier",
+            Breaker(
+                f"the Mooncake Store (master {shared.master})",
+                pull_timeout_s,
+                "shared_pull_timeout_s",
+            ),
+        )
         self._rejoin = rejoin  # () -> None: records the key space's terms
         self._client = client  # released at close
         self._lock = threading.Lock()
@@ -106,6 +126,7 @@ class SharedTierWriter(ObjectStoreWriter):
         return cls(
             local,
             shared,
+            pull_timeout_s=cfg.shared_pull_timeout_s,
             rejoin=lambda: agree(client, master, space, terms),
             client=client,
         )
@@ -144,24 +165,32 @@ class SharedTierWriter(ObjectStoreWriter):
         return result
 
     def _mirror(self, keys, refs, data, offsets) -> None:
-        if time.monotonic() < self._mirror_after:
+        posted = time.monotonic() >= self._mirror_after and self._remote.post(
+            lambda: self._mirror_now(keys, refs, data, offsets)
+        )
+        if not posted:
+            self._count(0, len(keys))
+
+    def _mirror_now(self, keys, refs, data, offsets) -> None:
+        """On the shared tier's thread."""
+        try:
+            failed = self._shared.put(keys, refs, data, offsets)
+        except ArtifactError as e:
             failed = len(keys)
+            self._warn(f"mirroring {len(keys)} objects failed: {e}")
         else:
-            try:
-                failed = self._shared.put(keys, refs, data, offsets)
-            except ArtifactError as e:
-                failed = len(keys)
-                self._warn(f"mirroring {len(keys)} objects failed: {e}")
-            else:
-                if failed:
-                    self._warn(
-                        f"the Mooncake Store refused {failed} of {len(keys)} "
-                        "writes (full, or its master restarting)"
-                    )
             if failed:
-                self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
+                self._warn(
+                    f"the Mooncake Store refused {failed} of {len(keys)} "
+                    "writes (full, or its master restarting)"
+                )
+        if failed:
+            self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
+        self._count(len(keys) - failed, failed)
+
+    def _count(self, put: int, failed: int) -> None:
         with self._lock:
-            self._counts["shared_puts"] += len(keys) - failed
+            self._counts["shared_puts"] += put
             self._counts["shared_failures"] += failed
 
     def _warn(self, msg: str) -> None:
@@ -195,7 +224,9 @@ class SharedTierWriter(ObjectStoreWriter):
         missing = [k for k, ref in zip(keys, local) if ref is None]
         if not missing:
             return
-        got, data = self._shared.fetch(missing)
+        got, data = self._remote.call(
+            lambda: self._shared.fetch(missing), self._pull_timeout_s
+        )
         if not got:
             return
         sums = np.fromiter((r.checksum for r in got), np.uint64, len(got))
@@ -216,12 +247,18 @@ class SharedTierWriter(ObjectStoreWriter):
     def maintain(self) -> None:
         self._local.maintain()
         now = time.monotonic()
-        if self._rejoin is not None and now >= self._next_terms:
+        rejoin = self._rejoin
+        if rejoin is not None and now >= self._next_terms:
             self._next_terms = now + TERMS_INTERVAL_S
-            try:
-                self._rejoin()
-            except ArtifactError as e:
-                self._warn(f"the key space's terms: {e}")
+            # Skipped while the tier is down: the breaker is its backoff.
+            self._remote.post(lambda: self._rejoin_now(rejoin))
+
+    def _rejoin_now(self, rejoin: Any) -> None:
+        """On the shared tier's thread."""
+        try:
+            rejoin()
+        except ArtifactError as e:
+            self._warn(f"the key space's terms: {e}")
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -235,5 +272,8 @@ class SharedTierWriter(ObjectStoreWriter):
         client = self._client
         if client is not None:
             self._client = None
-            self._shared.close()
-            mc.release(client)
+            # A call still in the client keeps it: closing it under the
+            # call would free what the call uses.
+            if self._remote.close():
+                self._shared.close()
+                mc.release(client)
