@@ -65,6 +65,7 @@ KNOWN_ERRORS = (
     "ArtifactAckTimeout",
     "ArtifactReadTimeout",
     "RouteRefPublishError",
+    "SharedTierUnavailableError",
     "CoverageError",
 )
 

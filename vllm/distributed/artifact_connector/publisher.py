@@ -681,6 +681,8 @@ class ArtifactPublisher:
             self.slab.free_later([o.page for o in work.objects if o.att.failed])
         if objects:
             self._publish(objects)
+        if work.finalizes:  # the next engine may ask for them at once
+            self._writer.settle()
         for att, fin in work.finalizes:
             if not att.failed:
                 try:

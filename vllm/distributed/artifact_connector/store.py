@@ -232,6 +232,11 @@ class ObjectStoreWriter(ABC):
     def maintain(self) -> None:  # noqa: B027 - optional hook
         """Slow upkeep, for the owner's idle moments (default: none)."""
 
+    def settle(self) -> None:  # noqa: B027 - optional hook
+        """Wait, briefly and boundedly, until what was put is visible to
+        other engines too (before a request's acknowledgement); default:
+        at once, as :meth:`put_batch` makes it visible."""
+
     @abstractmethod
     def stats(self) -> StoreStats:
         """Counters (see :class:`StoreStats`)."""

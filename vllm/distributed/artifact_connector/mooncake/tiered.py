@@ -69,6 +69,11 @@ TERMS_INTERVAL_S = 5.0
 # After the shared tier refused writes (full, or its master restarting), how
 # long mirrors are skipped.
 MIRROR_BACKOFF_S = 5.0
+# How long a finishing request's acknowledgement waits for its objects'
+# mirror (a prefill engine's answer sends the decode engine to them): a
+# healthy master takes milliseconds; a stalled one costs the publication
+# thread this once, then the breaker skips mirrors (no wait).
+MIRROR_SETTLE_S = 0.25
 
 
 class SharedTierWriter(ObjectStoreWriter):
@@ -101,6 +106,8 @@ class SharedTierWriter(ObjectStoreWriter):
         self._next_terms = time.monotonic() + TERMS_INTERVAL_S
         self._last_warning = 0.0
         self._mirror_after = 0.0
+        self._mirrored = threading.Event()  # the last mirror ended
+        self._mirrored.set()
 
     @classmethod
     def open(
@@ -165,13 +172,20 @@ class SharedTierWriter(ObjectStoreWriter):
         return result
 
     def _mirror(self, keys, refs, data, offsets) -> None:
+        done = threading.Event()
         posted = time.monotonic() >= self._mirror_after and self._remote.post(
-            lambda: self._mirror_now(keys, refs, data, offsets)
+            lambda: self._mirror_now(keys, refs, data, offsets, done)
         )
-        if not posted:
+        if not posted:  # the tier is down: waiting for earlier ones is moot
+            done.set()
             self._count(0, len(keys))
+        self._mirrored = done  # posts run in order: it ends after the rest
 
-    def _mirror_now(self, keys, refs, data, offsets) -> None:
+    def settle(self) -> None:
+        """Wait up to :data:`MIRROR_SETTLE_S` for the mirrors posted so far."""
+        self._mirrored.wait(MIRROR_SETTLE_S)
+
+    def _mirror_now(self, keys, refs, data, offsets, done) -> None:
         """On the shared tier's thread."""
         try:
             failed = self._shared.put(keys, refs, data, offsets)
@@ -184,6 +198,8 @@ class SharedTierWriter(ObjectStoreWriter):
                     f"the Mooncake Store refused {failed} of {len(keys)} "
                     "writes (full, or its master restarting)"
                 )
+        finally:
+            done.set()
         if failed:
             self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
         self._count(len(keys) - failed, failed)
