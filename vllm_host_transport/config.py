@@ -40,6 +40,16 @@ class HostTransportConfig:
     given the producer's scope. Set it explicitly (or through the environment
     variable) for an R3 hand-off."""
 
+    scope_fallback: bool = False
+    """What to do when the scope's directory exists but is not this user's
+    private directory (another local user created it first, or it has group
+    or other access, or is a symlink): ``False`` refuses it
+    (``ScopeSquattedError``); ``True`` uses a fresh private scope instead,
+    ``<scope>~<16 random hex>`` (``connector.scope_name``), and logs a
+    warning naming the squatted directory and its owner. Only a producer
+    that hands its scope name to its consumers (as a routed-experts
+    reference does) can use it: the others would not find the new scope."""
+
     shm_root: str = "/dev/shm"
     """Directory of the shared-memory mount that holds the scope directory."""
 
@@ -90,6 +100,8 @@ class HostTransportConfig:
             for c in self.allowed_struct_types
         ):
             raise TypeError("allowed_struct_types must be a tuple of Struct classes")
+        if not isinstance(self.scope_fallback, bool):
+            raise TypeError("scope_fallback must be a bool")
         if self.scope is not None and not self.scope:
             raise ValueError("scope must be a non-empty string or None")
 

@@ -17,6 +17,12 @@ that is sending (or waiting for a ring lock while sending).
 A connector belongs to the process that created it: in a forked child it only
 drops its mappings when closed or collected (it never marks, unlinks or
 removes anything of its parent's), and ``put``/``get`` there fail.
+
+What waits is bounded: a connector's unclaimed payloads go with its
+``close`` whoever else keeps the scope open, at most
+:data:`.sender.MAX_TRACKED_KEYS` of them are kept (the oldest is withdrawn
+beyond it), and what a killed producer left is removed by the next
+connector to join the scope or receive from it (:mod:`.liveness`).
 """
 
 from __future__ import annotations
@@ -69,9 +75,25 @@ class HostTransportConnector:
                 SCOPE_ENV,
                 self.scope_name,
             )
-        scope = ScopeDir(self.config.shm_root, self.scope_name)
+        scope = ScopeDir(
+            self.config.shm_root, self.scope_name, fallback=self.config.scope_fallback
+        )
+        if scope.squatted is not None:
+            logger.warning(
+                "host transport: the directory of scope %r cannot be used: %s. "
+                "Another local user may have created it first. Using the fresh "
+                "private scope %r (%s) instead; remove the old directory (as "
+                "its owner or root) to return to the usual one",
+                self.scope_name,
+                scope.squatted,
+                scope.scope,
+                scope.path,
+            )
+            self.scope_name = scope.scope
         pid, start = self_identity()
         self._shared = Shared(self.config, scope, pid, start, dict.fromkeys(_STATS, 0))
+        # What killed producers left here goes before anything else is done.
+        self._shared.liveness.check()
         if not ringmod.FENCE_AVAILABLE:
             logger.warning(
                 "host transport: no memory fence on this CPU (%s; libatomic.so.1 "
@@ -92,9 +114,10 @@ class HostTransportConnector:
         return shared.scope.path
 
     def close(self) -> None:
-        """Release everything; unlinks this connector's rings, and the scope
-        directory when it is the last connector of the scope. Idempotent. In
-        a forked child it only drops the child's mappings."""
+        """Release everything: withdraws this connector's payloads that no
+        receiver took (its rings and per-key segments), and removes the
+        scope directory when it is the last connector of the scope.
+        Idempotent. In a forked child it only drops the child's mappings."""
         shared = getattr(self, "_shared", None)
         if shared is None or shared.scope is None:
             return
@@ -112,6 +135,7 @@ class HostTransportConnector:
                 sender.close()
             if receiver is not None:
                 receiver.close()
+        shared.liveness.close()  # it uses the scope's descriptor
         scope, shared.scope = shared.scope, None
         scope.close(teardown=teardown)
 
@@ -158,6 +182,22 @@ class HostTransportConnector:
         """Retire every unclaimed key ``prefix + <digits>``; returns how many."""
         return self._send_side().cleanup_prefix(prefix)
 
+    def taken(self) -> list[str]:
+        """Keys of this connector's payloads that receivers have taken since
+        the last call (or that are gone otherwise); they are not tracked any
+        more. Costs a look at each tracked payload (and one listing of the
+        scope when some are per-key): call it now and then, not per put."""
+        return self._send_side().taken()
+
+    def remove_dead(self) -> int:
+        """Remove what producers of the scope that died since the last look
+        left (their rings, per-key segments, registrations); returns how many
+        such producers there were. Joining the scope and every receive that
+        misses do the same; a producer that receives nothing calls this now
+        and then (cheap while nobody died: a pidfd poll per producer)."""
+        shared = self._shared
+        return 0 if shared is None else shared.liveness.check()
+
     def get(
         self,
         from_stage: Any,
@@ -187,14 +227,25 @@ class HostTransportConnector:
         poll_interval_s: float = 0.0002,
         *,
         borrow: bool = False,
+        published: bool = False,
     ) -> tuple[Any, int] | None:
         """Poll for ``key`` until ``deadline`` (``time.monotonic()`` seconds).
 
         Locks held by other processes are only ever tried, never waited on,
         so this returns ``None`` once the deadline has passed. ``borrow``: see
-        :meth:`get`."""
+        :meth:`get`. ``published``: the caller knows that the key's only put
+        completed before this call (it learned the key from the producer
+        afterwards), so a miss is final and ``None`` comes at once; only a
+        busy lock or a frame being moved between the planes is waited for."""
         return self._receive_side().get_with_deadline(
-            from_stage, to_stage, key, descriptor, deadline, poll_interval_s, borrow
+            from_stage,
+            to_stage,
+            key,
+            descriptor,
+            deadline,
+            poll_interval_s,
+            borrow,
+            published,
         )
 
     # --------------------------------------------------------------- health
@@ -240,4 +291,7 @@ _STATS = (
     "ring_waits",
     "ring_wait_timeouts",
     "ring_spilled",
+    "evicted",
+    "dead_producers_swept",
+    "dead_segments_removed",
 )

@@ -15,7 +15,13 @@ import threading
 import time
 
 from vllm_host_transport.process_identity import process_start_ticks
-from vllm_host_transport.safe_fs import open_private_dir, open_private_file
+from vllm_host_transport.safe_fs import (
+    check_private_entry,
+    make_fresh_private_dir,
+    open_private_dir,
+    open_private_file,
+    owner_name,
+)
 
 STAMP_FILE = "stamp"
 STAMP_SIZE = 4096
@@ -33,15 +39,25 @@ RING_NAME_RE = re.compile(
     r"^ring-([0-9a-f]{16})-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})$"
 )
 # Every name the transport creates in a scope directory (what the last
-# connector to close removes): the stamp, rings, per-key segments and their
-# lock files, files being built.
+# connector to close removes): the stamp, rings, producers' registrations,
+# per-key segments and their lock files, files being built.
 _OWN_NAME_RE = re.compile(
-    r"^(stamp|ring-[0-9a-f-]+|[0-9a-f]{32}\.(seg|lock)|\.tmp-[0-9a-zA-Z.-]+)$"
+    r"^(stamp|ring-[0-9a-f-]+|member-[0-9a-f-]+|[0-9a-f]{32}\.(seg|lock)"
+    r"|\.tmp-[0-9a-zA-Z.-]+)$"
 )
+# A fallback scope, ``<scope>~<16 hex>``: its directory is ``<scope>``'s plus
+# ``-<16 hex>`` (see ScopeDir), so it is found from its name alone.
+_FALLBACK_RE = re.compile(r"(.*)~([0-9a-f]{16})\Z", re.DOTALL)
 
 
 class HostTransportError(RuntimeError):
     """The transport cannot work in this environment."""
+
+
+class ScopeSquattedError(HostTransportError):
+    """The scope's directory exists but is not this user's private directory
+    (another owner, group or other access, a symlink, not a directory):
+    another local user may have created it first."""
 
 
 def check_platform() -> None:
@@ -103,13 +119,82 @@ def _open_root(root: str) -> int:
     return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _open_private_dir(root_fd: int, name: str) -> int:
-    """Create (mode 0700) or open the directory ``name`` under ``root_fd``
-    without following a symlink, and check that it is a directory owned by
-    us with no group or other bits. Returns its descriptor."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o700, dir_fd=root_fd)
-    return open_private_dir(name, dir_fd=root_fd, error=HostTransportError)
+def _open_scope_dir(root_fd: int, name: str, path: str, create: bool) -> int:
+    """Create (mode 0700, with ``create``) or open the directory ``name``
+    under ``root_fd`` without following a symlink, and check that it is a
+    directory owned by us with no group or other bits. Returns its
+    descriptor; :class:`ScopeSquattedError`, naming the owner, when the
+    entry there is not such a directory."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+    try:
+        return open_private_dir(name, dir_fd=root_fd, error=HostTransportError)
+    except FileNotFoundError:
+        raise
+    except (HostTransportError, OSError):
+        squat = _squat(root_fd, name, path)
+        if squat is None:
+            raise
+        raise squat from None
+
+
+def _squat(root_fd: int, name: str, path: str) -> ScopeSquattedError | None:
+    """Why the entry ``name`` is not our private directory, naming its owner,
+    or None when it is. Judged on the entry itself: another user's 0700
+    directory cannot even be opened (EACCES), a file fails with ENOTDIR."""
+    try:
+        check_private_entry(name, root_fd, path, error=ScopeSquattedError)
+    except ScopeSquattedError as e:
+        try:
+            uid = os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_uid
+        except OSError:
+            return e
+        return ScopeSquattedError(f"{e} (owner: {owner_name(uid)})")
+    except OSError:
+        pass
+    return None
+
+
+def _remove_locked(fd: int, root_fd: int, name: str) -> None:
+    """Remove everything the transport creates in the scope directory
+    ``name`` (open as ``fd``, locked exclusively: no connector is in it),
+    then the directory (which fails if anything else is in it)."""
+    for entry in os.listdir(fd):
+        if _OWN_NAME_RE.match(entry):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry, dir_fd=fd)
+    os.rmdir(name, dir_fd=root_fd)
+
+
+def _collect_abandoned(root_fd: int, base: str, keep: str) -> None:
+    """Remove earlier fallback scopes of the same scope (``<base>-<16 hex>``)
+    that no connector is in any more but that once had one (a stamp): their
+    producers were killed, and no later engine ever uses their random names
+    again. A directory without a stamp may be one being created; anything
+    not ours is left alone."""
+    pattern = re.compile(re.escape(base) + r"-[0-9a-f]{16}\Z")
+    for name in os.listdir(root_fd):
+        if name == keep or pattern.match(name) is None:
+            continue
+        try:
+            fd = open_private_dir(name, dir_fd=root_fd, error=HostTransportError)
+        except (HostTransportError, OSError):
+            continue
+        try:
+            try:
+                os.stat(STAMP_FILE, dir_fd=fd, follow_symlinks=False)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # no stamp, or a connector is in it
+                continue
+            try:
+                _remove_locked(fd, root_fd, name)
+            except OSError:
+                pass
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
 
 class ScopeDir:
@@ -117,18 +202,30 @@ class ScopeDir:
 
     Every open connector holds a shared ``flock`` on the directory; the one
     that closes last (it gets the lock exclusively) removes the directory and
-    everything the transport left in it."""
+    everything the transport left in it.
+
+    With ``fallback``, a directory squatted by another user (see
+    :class:`ScopeSquattedError`) is replaced by a fresh private one,
+    ``<name>-<16 random hex>``, and :attr:`scope` becomes
+    ``<scope>~<16 random hex>``, the scope that names it (:attr:`squatted`
+    says why)."""
 
     @staticmethod
     def dir_name(scope: str) -> str:
         """The directory's name under the root (scope names are untrusted:
-        only their hash is used)."""
-        return f"vllm-ht-{os.getuid()}-{hex_name(scope)}"
+        only their hash is used, plus the random part of a fallback)."""
+        suffixes = []
+        while (m := _FALLBACK_RE.match(scope)) is not None:
+            scope = m.group(1)
+            suffixes.append(m.group(2))
+        return "-".join([f"vllm-ht-{os.getuid()}-{hex_name(scope)}", *suffixes[::-1]])
 
-    def __init__(self, root: str, scope: str) -> None:
+    def __init__(self, root: str, scope: str, fallback: bool = False) -> None:
         check_platform()
         self.uid = os.getuid()
         self.root = root
+        self.scope = scope
+        self.squatted: str | None = None
         self.name = self.dir_name(scope)
         self.path = os.path.join(root, self.name)
         self.fd = -1
@@ -137,24 +234,13 @@ class ScopeDir:
         self.q: memoryview | None = None
         root_fd = _open_root(root)
         try:
-            deadline = time.monotonic() + _JOIN_WAIT_S
-            while True:
-                fd = _open_private_dir(root_fd, self.name)
-                # Membership: busy only while a last closer removes the
-                # directory.
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    if time.monotonic() > deadline:
-                        raise HostTransportError(
-                            f"{self.path} stayed locked by a closing connector"
-                        ) from None
-                    time.sleep(0.001)
-                    continue
-                if os.fstat(fd).st_nlink > 0:
-                    break
-                os.close(fd)  # removed meanwhile: create it again
+            try:
+                fd = self._join(root_fd, create=True)
+            except ScopeSquattedError as e:
+                if not fallback:
+                    raise
+                self.squatted = str(e)
+                fd = self._join_fresh(root_fd)
         finally:
             os.close(root_fd)
         self.fd = fd
@@ -163,6 +249,47 @@ class ScopeDir:
         except BaseException:
             self.close(teardown=False)
             raise
+
+    def _join(self, root_fd: int, create: bool) -> int:
+        """Open the directory and take a shared lock on it (membership)."""
+        deadline = time.monotonic() + _JOIN_WAIT_S
+        while True:
+            try:
+                fd = _open_scope_dir(root_fd, self.name, self.path, create)
+            except FileNotFoundError:
+                raise HostTransportError(f"{self.path} vanished") from None
+            # Busy only while a last closer removes the directory.
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() > deadline:
+                    raise HostTransportError(
+                        f"{self.path} stayed locked by a closing connector"
+                    ) from None
+                time.sleep(0.001)
+                continue
+            if os.fstat(fd).st_nlink > 0:
+                return fd
+            os.close(fd)  # removed meanwhile: create it again
+            if not create:
+                raise HostTransportError(f"{self.path} was removed")
+
+    def _join_fresh(self, root_fd: int) -> int:
+        """Join a new private directory instead of the squatted one."""
+        base = self.name
+        name = make_fresh_private_dir(
+            root_fd, base, self.root, error=HostTransportError
+        )
+        self.scope = f"{self.scope}~{name[len(base) + 1 :]}"
+        self.name = name
+        self.path = os.path.join(self.root, name)
+        # Never created again under this name if it goes: a name seen in
+        # the root's listing is no longer unpredictable.
+        fd = self._join(root_fd, create=False)
+        with contextlib.suppress(OSError):
+            _collect_abandoned(root_fd, base, keep=name)
+        return fd
 
     # -------------------------------------------------------------- stamp
     def _open_stamp(self) -> None:
@@ -284,13 +411,9 @@ class ScopeDir:
         try:
             # No connector is open in this scope (each holds a shared lock),
             # and a new one waits for this lock, then sees the directory gone.
-            for name in os.listdir(fd):
-                if _OWN_NAME_RE.match(name):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=fd)
             root_fd = _open_root(self.root)
             try:
-                os.rmdir(self.name, dir_fd=root_fd)  # fails if anything else is in it
+                _remove_locked(fd, root_fd, self.name)
             finally:
                 os.close(root_fd)
         finally:

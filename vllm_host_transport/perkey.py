@@ -195,6 +195,23 @@ def _decode_segment(
             sub.release()
 
 
+def segment_producer(dir_fd: int, seg_file: str) -> tuple[int, int] | None:
+    """(pid, start) of the producer of segment file ``seg_file`` (from its
+    header), or None when it cannot be read."""
+    try:
+        fd = os.open(seg_file, _flags(os.O_RDONLY), dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        hdr = os.pread(fd, SEG_HEADER.size, 0)
+    finally:
+        os.close(fd)
+    if len(hdr) < SEG_HEADER.size:
+        return None
+    magic, pid, start, _ = SEG_HEADER.unpack(hdr)
+    return (pid, start) if magic == SEG_MAGIC else None
+
+
 def remove_segment(dir_fd: int, name: str, lock_wait_s: float = 0.05) -> Any:
     """Retire an unclaimed segment: True if one was there, False if not, BUSY
     if its lock stayed busy (a receiver is taking it)."""

@@ -44,6 +44,7 @@ from vllm_host_transport.discovery import (
     ScopeDir,
 )
 from vllm_host_transport.process_identity import ProcessWatch
+from vllm_host_transport.ring_view import RingView
 from vllm_host_transport.shared import Shared
 from vllm_host_transport.shared import edge_hex as _edge_hex
 from vllm_host_transport.shared import key_hash as _key_hash
@@ -57,7 +58,7 @@ _MAX_MISSED = 4096
 
 @dataclass
 class _RecvRing:
-    view: ringmod.RingView
+    view: RingView
     liveness: ProcessWatch
 
 
@@ -111,12 +112,16 @@ class Receiver:
         deadline: float | None = None,
         poll_interval_s: float = 0.0002,
         borrow: bool = False,
+        published: bool = False,
     ) -> tuple[Any, int] | None:
         """See :meth:`HostTransportConnector.get_with_deadline`."""
         while True:
             with self._lock:
                 r = self._get_locked(from_stage, to_stage, key, descriptor, borrow)
-            if r is not None and r is not ringmod.BUSY:
+            if r is None:
+                if published:
+                    return None  # not busy, not being moved: gone
+            elif r is not ringmod.BUSY:
                 return r
             if deadline is None or time.monotonic() >= deadline:
                 return None
@@ -212,6 +217,8 @@ class Receiver:
         edge.missed.move_to_end(key)
         if len(edge.missed) > _MAX_MISSED:
             edge.missed.popitem(last=False)
+        # A miss may be a producer that died: what it left goes now.
+        shared.liveness.check()
         return None
 
     def _claim(self, edge: _RecvEdge, r: _RecvRing, pos: int, kh: bytes) -> Any:
@@ -261,7 +268,7 @@ class Receiver:
                 self._prune(scope, name)
                 continue
             try:
-                view = ringmod.RingView(scope.fd, name, edge.edge_hex, pid, start, inst)
+                view = RingView(scope.fd, name, edge.edge_hex, pid, start, inst)
             except (OSError, ValueError):
                 liveness.close()
                 continue

@@ -2,6 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The host ring: one bounded shared-memory ring per (producer connector, edge).
 
+The layout and protocol, the memory fence, and the producer's side
+(:class:`ProducerRing`); a receiver's side is :mod:`.ring_view`.
+
 Layout of the ring file (``ring-<edge>-<pid>-<start>-<instance>`` in the scope
 dir)::
 
@@ -28,7 +31,9 @@ record up to the end and continues at offset 0.
 States: ``WRITING`` (0) while the producer copies, ``READY`` (1) once the
 frame is complete, ``DONE`` (2) once a receiver took it, ``RETIRED`` (3) when
 the producer withdrew it (a 64-byte record in this state with no frame is a
-*tombstone*), ``PAD`` (4). Only the producer moves ``head`` and ``tail``;
+*tombstone*), ``PAD`` (4), ``SPILLING`` (5) while the producer moves it to
+a per-key segment (a claim is "try again": it is in neither place). Only the
+producer moves ``head`` and ``tail``;
 receivers only flip a ``READY`` byte, under the ring lock (an ``flock`` on the
 ring file, always taken non-blocking by receivers). The latest record of a key
 in a ring decides: a receiver never takes a ``READY`` frame of a key that a
@@ -57,10 +62,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vllm_host_transport.codec import CorruptFrame, EncodedFrame, RawFrame
+from vllm_host_transport.codec import EncodedFrame, RawFrame
 
 RING_MAGIC = 0x31474E4952544856  # "VHTRING1"
-RING_VERSION = 2
+RING_VERSION = 3  # 3: the SPILLING state
 HEADER_SIZE = 4096
 Q_MAGIC, Q_VERSION, Q_CAP, Q_PID, Q_START, Q_EDGE, Q_INST = 0, 1, 2, 3, 4, 5, 7
 Q_HEAD = 8
@@ -73,7 +78,7 @@ FRAME_ALIGN = 64
 STATE_OFF = 4
 _NO_KEY = bytes(16)
 
-WRITING, READY, DONE, RETIRED, PAD = 0, 1, 2, 3, 4
+WRITING, READY, DONE, RETIRED, PAD, SPILLING = 0, 1, 2, 3, 4, 5
 
 # Results of a claim that are not a payload.
 BUSY = object()  # ring lock held elsewhere; try again
@@ -90,7 +95,7 @@ LOCK_BUSY = -1  # the ring lock stayed busy: the frame may still be READY
 # Map rings with their page tables filled in: otherwise the first pass over a
 # fresh ring takes a minor fault per 4 KiB page in the producer and again in
 # every receiver, on the hot path of each put and get.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 _SEQ_CST = 5  # __ATOMIC_SEQ_CST
 _TSO_MACHINES = frozenset({"x86_64", "amd64"})
@@ -129,14 +134,9 @@ memory_fence: Callable[[], None] = (
 )
 
 
-def _edge_words(edge_hex: str) -> tuple[int, int]:
+def edge_words(edge_hex: str) -> tuple[int, int]:
     b = bytes.fromhex(edge_hex)
     return int.from_bytes(b[:4], "little"), int.from_bytes(b[4:8], "little")
-
-
-_flock = fcntl.flock
-_LOCK_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
-_LOCK_UN = fcntl.LOCK_UN
 
 
 def _try_lock(fd: int) -> bool:
@@ -213,7 +213,7 @@ class ProducerRing:
             # Reserve the pages now: a full /dev/shm fails here with ENOSPC
             # instead of a SIGBUS on first touch.
             os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -226,7 +226,7 @@ class ProducerRing:
         self._data_addr = ctypes.addressof(self._anchor) + HEADER_SIZE
         q = self._mv[:HEADER_SIZE].cast("Q")
         self._q = q
-        e0, e1 = _edge_words(edge_hex)
+        e0, e1 = edge_words(edge_hex)
         q[Q_VERSION] = RING_VERSION
         q[Q_CAP] = capacity
         q[Q_PID] = pid
@@ -383,9 +383,10 @@ class ProducerRing:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def take_oldest(self, wait_s: float) -> tuple[int, str, bytes, RawFrame] | None:
-        """Withdraw the oldest unclaimed frame and return its position, key,
-        key hash and bytes (to republish them elsewhere), or ``None`` when it
-        is not READY any more or the ring lock stayed busy."""
+        """Mark the oldest unclaimed frame SPILLING and return its position,
+        key, key hash and bytes (to republish them elsewhere; then
+        :meth:`end_spill`), or ``None`` when it is not READY any more or the
+        ring lock stayed busy."""
         mv = self._mv
         if mv is None or not self.frames:
             return None
@@ -400,10 +401,28 @@ class ProducerRing:
             if fpos != pos or state != READY:
                 return None
             data = bytes(mv[off + FRAME_HDR : off + length])
-            mv[off + STATE_OFF] = RETIRED
+            mv[off + STATE_OFF] = SPILLING
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         return pos, key, kh, RawFrame(data)
+
+    def end_spill(self, pos: int, moved: bool) -> None:
+        """The frame :meth:`take_oldest` returned is now in a per-key segment
+        (``moved``: RETIRED) or stays here (READY again). No lock: receivers
+        never write a frame that is not READY."""
+        mv = self._mv
+        if mv is not None:
+            memory_fence()  # the segment is published before RETIRED says so
+            mv[HEADER_SIZE + pos % self.capacity + STATE_OFF] = (
+                RETIRED if moved else READY
+            )
+
+    def unclaimed(self, pos: int) -> bool:
+        """Whether the frame at ``pos`` is still waiting for a receiver."""
+        mv = self._mv
+        if mv is None or not self.tail <= pos < self.head:
+            return False
+        return mv[HEADER_SIZE + pos % self.capacity + STATE_OFF] in (READY, SPILLING)
 
     def oldest_age(self, now: float) -> float:
         """Seconds since the oldest frame not yet reclaimed was published."""
@@ -437,170 +456,3 @@ class ProducerRing:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-class RingView:
-    """A receiver's mapping of one producer's ring, with a private index of
-    the READY frames it has seen (key hash -> absolute position)."""
-
-    def __init__(
-        self,
-        dir_fd: int,
-        name: str,
-        edge_hex: str,
-        pid: int,
-        start: int,
-        instance: int,
-    ) -> None:
-        self.name = name
-        self.pid = pid
-        self.start = start
-        self.fd = -1
-        self._mm: mmap.mmap | None = None
-        self.mv: memoryview | None = None
-        self.q: memoryview | None = None
-        self.cursor = 0
-        self.index: dict[bytes, int] = {}
-        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid() or st.st_size <= HEADER_SIZE:
-                raise CorruptFrame(f"ring {name} has a bad owner or size")
-            mm = mmap.mmap(fd, st.st_size, flags=_MAP_FLAGS)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
-        self._mm = mm
-        self.mv = memoryview(mm)
-        self.q = self.mv[:HEADER_SIZE].cast("Q")
-        q = self.q
-        e0, e1 = _edge_words(edge_hex)
-        if (
-            q[Q_MAGIC] != RING_MAGIC
-            or q[Q_VERSION] != RING_VERSION
-            or q[Q_CAP] != st.st_size - HEADER_SIZE
-            or q[Q_CAP] % FRAME_ALIGN
-            or q[Q_PID] != pid
-            or q[Q_START] != start
-            or q[Q_EDGE] != e0
-            or q[Q_EDGE + 1] != e1
-            or q[Q_INST] != instance
-        ):
-            self.close()
-            raise CorruptFrame(f"ring {name} has an invalid header")
-        self.capacity = int(q[Q_CAP])
-        self.cursor = int(q[Q_TAIL])
-
-    @property
-    def closed(self) -> bool:
-        q = self.q
-        return q is None or q[Q_CLOSED] != 0
-
-    def scan(self) -> int:
-        """Index records published since the last scan; returns the number of
-        corrupt records met (the scan skips to ``head`` after one)."""
-        q, mv = self.q, self.mv
-        if q is None or mv is None:
-            return 0
-        head = q[Q_HEAD]
-        cur = self.cursor
-        if head == cur:
-            return 0
-        # The records below this head are complete before they are read.
-        memory_fence()
-        tail = q[Q_TAIL]
-        if cur < tail:
-            cur = tail
-            if self.index:
-                self.index = {k: p for k, p in self.index.items() if p >= tail}
-        cap = self.capacity
-        corrupt = 0
-        index = self.index
-        while cur < head:
-            off = cur % cap
-            length, state, pos, kh = FRAME.unpack_from(mv, HEADER_SIZE + off)
-            if (
-                pos != cur
-                or length < FRAME_HDR
-                or length % FRAME_ALIGN
-                or off + length > cap
-            ):
-                new_tail = q[Q_TAIL]
-                if new_tail > cur:  # we lagged and the slot was reused
-                    cur = new_tail
-                    continue
-                corrupt += 1
-                cur = head
-                break
-            if state == READY:
-                index[kh] = pos
-            elif state != PAD:
-                # A later record of the key (taken, withdrawn, tombstone)
-                # supersedes any earlier READY frame of it.
-                index.pop(kh, None)
-            cur += length
-        self.cursor = cur
-        return corrupt
-
-    def claim(self, pos: int, key_hash: bytes, codec: Any) -> Any:
-        """Take the READY frame at ``pos`` for ``key_hash`` (a position this
-        view indexed). Returns the owned payload or one of BUSY, GONE,
-        CORRUPT."""
-        mv = self.mv
-        q = self.q
-        if mv is None or q is None:
-            return GONE
-        cap = self.capacity
-        rel = pos % cap
-        off = HEADER_SIZE + rel
-        # Unlocked pre-check: a frame already taken (or overwritten) is GONE
-        # without touching the lock. The decisive check is repeated below.
-        if mv[off + STATE_OFF] != READY:
-            return GONE
-        fd = self.fd
-        try:
-            _flock(fd, _LOCK_EX_NB)
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return BUSY
-            raise
-        try:
-            length, state, fpos, kh = FRAME.unpack_from(mv, off)
-            if fpos != pos or state != READY or kh != key_hash:
-                return GONE
-            if length < FRAME_HDR or rel + length > cap or pos + length > q[Q_HEAD]:
-                obj: Any = CORRUPT
-            else:
-                sub = mv[off + FRAME_HDR : off + length]
-                try:
-                    obj = codec.decode(sub)
-                except CorruptFrame:
-                    obj = CORRUPT
-                try:  # noqa: SIM105 (contextlib.suppress costs ~1 us per claim)
-                    sub.release()
-                except BufferError:
-                    pass
-            # The copy out of the slot is complete before DONE lets the
-            # producer reuse it.
-            memory_fence()
-            mv[off + STATE_OFF] = DONE
-            return obj
-        finally:
-            _flock(fd, _LOCK_UN)
-
-    def close(self) -> None:
-        for attr in ("q", "mv"):
-            v = getattr(self, attr)
-            setattr(self, attr, None)
-            if v is not None:
-                v.release()
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.index = {}

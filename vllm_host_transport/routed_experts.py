@@ -22,14 +22,18 @@ reaches the master (``VLLM_MOONCAKE_LOCAL_HOSTNAME``: this host's address
 for Mooncake's transfers, default ``127.0.0.1``).
 
 A host-transport payload is handed over once: the first ``fetch`` takes
-it, a second one finds it gone; a Mooncake payload can be read until it is
-removed. Payloads nobody fetches are removed by the engine after its
-``ref_ttl_s``, when more than ``ref_max_bytes`` wait, and when it stops
-(Mooncake may also evict them under memory pressure); ``fetch`` then
-raises :class:`RouteRefMissingError`. A payload whose bytes do not match
-the reference raises :class:`RouteRefCorruptError`, a transport that
-cannot be reached :class:`RouteRefTransportError`. None of them ever
-returns a partial array.
+it, a second one finds it gone (at once: a reference is handed out only
+after its payload is in place, so a miss is final); a Mooncake payload can
+be read until it is removed. Payloads nobody fetches are removed by the
+engine after its ``ref_ttl_s``, when more than ``ref_max_bytes`` or
+65,536 of them wait, and when it stops (a killed engine's by the next
+engine or ``fetch`` in its scope; Mooncake may also evict them under memory
+pressure); ``fetch`` then raises :class:`RouteRefMissingError`. A payload
+whose bytes do not match the reference raises
+:class:`RouteRefCorruptError`, a transport that cannot be reached (or a
+scope directory another user took) :class:`RouteRefTransportError`.
+``fetch`` raises nothing but these :class:`RouteRefError` subclasses, and
+never returns a partial array.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ DTYPES = ("uint8", "int16", "uint16", "int32")
 _KEY_RE = re.compile(r"[0-9a-f]{32}\Z")
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{16}\Z")
 _MASTER_RE = re.compile(r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}\Z")
+# Longest host scope a reference may name (its own plus fallbacks' suffixes).
+_MAX_SCOPE_CHARS = 1024
 
 
 class RouteRefError(RuntimeError):
@@ -75,7 +81,8 @@ class RouteRefCorruptError(RouteRefError):
 
 class RouteRefTransportError(RouteRefError):
     """The transport the reference names cannot be reached (a Mooncake
-    master down, a client that cannot join it)."""
+    master down, a client that cannot join it, a host-transport scope whose
+    directory is not this user's private one)."""
 
 
 class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,7 +98,9 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
     """``host``: the host transport of the engine's node; ``mooncake``: a
     Mooncake Store."""
     location: str
-    """``host``: the scope the payload waits in; ``mooncake``: the master's
+    """``host``: the scope the payload waits in (``<ref_scope>~<16 hex>``
+    when the engine found its scope's directory taken by another user and
+    fell back to a fresh private one); ``mooncake``: the master's
     ``host:port``."""
     key: str
     """The payload's key: 32 random hex characters, nothing derived from
@@ -130,6 +139,10 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.transport == "mooncake" and not _MASTER_RE.match(self.location):
             raise RouteRefInvalidError("a Mooncake location must be host:port")
+        if not 0 < len(self.location) <= _MAX_SCOPE_CHARS or "\0" in self.location:
+            raise RouteRefInvalidError(
+                f"a location must be 1 to {_MAX_SCOPE_CHARS} characters, no NUL"
+            )
         if not isinstance(self.key, str) or not _KEY_RE.match(self.key):
             raise RouteRefInvalidError("key must be 32 lowercase hex characters")
         if not isinstance(self.checksum, str) or not _CHECKSUM_RE.match(self.checksum):
@@ -172,6 +185,18 @@ def close() -> None:
 atexit.register(close)
 
 
+def _forget_after_fork() -> None:
+    # A forked child (a data-loader worker) opens its own: the parent's
+    # connectors and clients refuse to work in it.
+    global _connectors_lock
+    _connectors_lock = threading.Lock()
+    _connectors.clear()
+    _mooncake_clients.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _connector(scope: str) -> Any:
     from vllm_host_transport import HostTransportConfig, HostTransportConnector
 
@@ -190,7 +215,10 @@ def fetch(
     """The routes behind ``ref`` as a ``[rows, layers, top_k]`` array of
     this process's own, verified against its checksum. A host-transport
     payload is taken (a second fetch of the same reference raises
-    :class:`RouteRefMissingError`)."""
+    :class:`RouteRefMissingError`, at once). ``timeout_s``: the longest a
+    host fetch waits for a lock another process holds on the payload (a
+    competing consumer, the engine moving it). Raises only
+    :class:`RouteRefError` subclasses."""
     if not isinstance(ref, RoutedExpertsRef):
         ref = RoutedExpertsRef.from_json(ref)
     else:
@@ -207,11 +235,24 @@ def fetch(
 
 
 def _take_from_host(ref: RoutedExpertsRef, timeout_s: float) -> np.ndarray:
-    # Borrowed: a large payload comes as the claimed segment's private
-    # mapping, not a copy (docs/benchmarks.md, "Routes by reference").
-    got = _connector(ref.location).get_with_deadline(
-        EDGE[0], EDGE[1], ref.key, deadline=time.monotonic() + timeout_s, borrow=True
-    )
+    from vllm_host_transport import HostTransportError
+
+    try:
+        # Borrowed: a large payload comes as the claimed segment's private
+        # mapping, not a copy (docs/benchmarks.md, "Routes by reference").
+        # Published: the engine handed the reference out after its put.
+        got = _connector(ref.location).get_with_deadline(
+            EDGE[0],
+            EDGE[1],
+            ref.key,
+            deadline=time.monotonic() + timeout_s,
+            borrow=True,
+            published=True,
+        )
+    except (HostTransportError, OSError) as e:
+        raise RouteRefTransportError(
+            f"host-transport scope {ref.location!r} cannot be used: {e}"
+        ) from e
     if got is None:
         raise RouteRefMissingError(
             f"routes {ref.key} are not in host-transport scope {ref.location!r}: "

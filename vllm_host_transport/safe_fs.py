@@ -193,17 +193,35 @@ def check_private_shm_dir(
 
     def check(part: str, parent_fd: int, path: str) -> bool:
         try:
-            st = os.stat(part, dir_fd=parent_fd, follow_symlinks=False)
+            check_private_entry(part, parent_fd, path, error=error)
         except FileNotFoundError:
             return False
-        if stat.S_ISLNK(st.st_mode):
-            raise error(f"{path!r} is a symlink; refusing it")
-        # From the entry itself: a directory of another user may not be
-        # openable at all.
-        check_owned(st, f"directory {path!r}", directory=True, error=error)
         return True
 
     return _walk_private_shm_dir(root, error, check)
+
+
+def check_private_entry(
+    name: str, dir_fd: int, path: str, *, error: type[Exception] = UnsafePathError
+) -> None:
+    """Raise ``error`` unless the entry ``name`` of ``dir_fd`` (``path``, for
+    the message) is a directory we own with no group/other access and not a
+    symlink. Checked on the entry itself, not opened: a directory of another
+    user may not be openable at all. ``FileNotFoundError`` if it is absent."""
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        raise error(f"{path!r} is a symlink; refusing it")
+    check_owned(st, f"directory {path!r}", directory=True, error=error)
+
+
+def owner_name(uid: int) -> str:
+    """``uid N (login)`` for messages that name who owns a path."""
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def make_private_shm_dir(
@@ -221,20 +239,39 @@ def make_private_shm_dir(
         parent = os.path.realpath(SHM_BASE)
     else:
         parent = shm_subdir(parent, error=error)
-    real = os.path.join(parent, stem)
     parent_fd = os.open(parent, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
     try:
-        for _ in range(attempts):
-            name = f"{stem}-{secrets.token_hex(8)}"
-            try:
-                os.mkdir(name, 0o700, dir_fd=parent_fd)
-            except FileExistsError:
-                continue
-            os.close(open_private_dir(name, dir_fd=parent_fd, error=error))
-            return os.path.join(parent, name)
+        name = make_fresh_private_dir(
+            parent_fd, stem, parent, error=error, attempts=attempts
+        )
     finally:
         os.close(parent_fd)
-    raise error(f"could not create a fresh directory {real}-<random> in {parent}")
+    return os.path.join(parent, name)
+
+
+def make_fresh_private_dir(
+    parent_fd: int,
+    stem: str,
+    parent: str,
+    *,
+    error: type[Exception] = UnsafePathError,
+    attempts: int = 8,
+) -> str:
+    """Create a new directory ``<stem>-<16 random hex>`` (0700) in
+    ``parent_fd`` (``parent``, for the message) and return its name. Never
+    an existing one, so nobody else can have prepared it; the random part
+    makes its name unpredictable to other users."""
+    for _ in range(attempts):
+        name = f"{stem}-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            continue
+        os.close(open_private_dir(name, dir_fd=parent_fd, error=error))
+        return name
+    raise error(
+        f"could not create a fresh directory {os.path.join(parent, stem)}-<random>"
+    )
 
 
 def write_all(

@@ -3,8 +3,11 @@
 """The sending side of a host-transport connector: publishing a payload
 under (edge, key) on the edge's host ring or in a per-key segment,
 withdrawing earlier unclaimed versions, spilling aged ring frames to
-segments when the ring is full. State is guarded by its own process-local
-lock, so a thread receiving is never queued behind a sending one."""
+segments when the ring is full, and keeping what waits bounded: at most
+``MAX_TRACKED_KEYS`` unclaimed keys (the oldest is withdrawn beyond it),
+and nothing left behind by ``close``. State is guarded by its own
+process-local lock, so a thread receiving is never queued behind a sending
+one."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from vllm_host_transport.codec import (
     RawFrame,
 )
 from vllm_host_transport.discovery import HostTransportError, ScopeDir
+from vllm_host_transport.liveness import member_name
 from vllm_host_transport.shared import Shared
 from vllm_host_transport.shared import edge_hex as _edge_hex
 from vllm_host_transport.shared import key_hash as _key_hash
@@ -36,7 +40,9 @@ from vllm_host_transport.shared import seg_name as _seg_name
 # vLLM process these lines go where vLLM's own go.
 logger = logging.getLogger("vllm.host_transport.sender")
 
-_MAX_TRACKED_KEYS = 1 << 16
+#: Most keys with a payload no receiver is known to have taken; past it the
+#: oldest is withdrawn (``health()["evicted"]``).
+MAX_TRACKED_KEYS = 1 << 16
 _BUSY = object()  # a retire found its lock busy
 # A frame of ``size`` bytes takes (size + _FRAME_ROUND) & _FRAME_MASK ring
 # bytes (record header included, 64-byte aligned).
@@ -81,6 +87,9 @@ class Sender:
         # Tells this connector's rings apart from other connectors' of the
         # same process (the ring name is its registration).
         self._instance = int.from_bytes(os.urandom(8), "little")
+        # Registration in the scope (see .liveness), made before the first
+        # payload.
+        self._member: str | None = None
         self._codec = FrameCodec(config.max_payload_bytes, config.large_leaf_bytes)
         self._ring_enabled = config.ring_enabled and ringmod.FENCE_AVAILABLE
         self._ring_wait_s = config.ring_wait_s
@@ -110,6 +119,8 @@ class Sender:
             scope = shared.check_open()  # raises
         if type(key) is not str and not isinstance(key, str):
             raise TypeError("key must be a str")
+        if self._member is None:
+            self._register(scope)
         edge_key = (from_stage, to_stage)
         edge = self._edges.get(edge_key)
         if edge is None:
@@ -195,9 +206,23 @@ class Sender:
             desc = {"v": _DESC_VERSION, "plane": "key", "size": size}
         rest.append(_Placement(edge_key, kh, seg_name, pos))
         placements[key] = rest
-        if len(placements) > _MAX_TRACKED_KEYS:
-            del placements[next(iter(placements))]
+        # The oldest is withdrawn, not just forgotten: an untracked payload
+        # would never be removed while the scope stays open.
+        if len(placements) > MAX_TRACKED_KEYS and self._cleanup_locked(
+            scope, next(iter(placements))
+        ):
+            stats["evicted"] += 1
         return True, size, desc
+
+    def _register(self, scope: ScopeDir) -> None:
+        name = member_name(self._shared.pid, self._shared.start, self._instance)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(name, flags, 0o600, dir_fd=scope.fd))
+        self._member = name
+        # Receivers re-list the scope's producers; if the stamp cannot move
+        # now, they find this one at its next move.
+        with contextlib.suppress(OSError, HostTransportError):
+            scope.advance_stamp()
 
     def _write_segment(
         self,
@@ -261,10 +286,16 @@ class Sender:
             if superseded:
                 # A later version exists: withdrawn for good, not moved.
                 edge.pending.remove(superseded[0])
+                ring.end_spill(pos, moved=True)
                 self._stats["retired"] += 1
             else:
                 seg_name = _seg_name(edge.edge_hex, key)
-                self._write_segment(scope, seg_name, kh, raw)
+                try:
+                    self._write_segment(scope, seg_name, kh, raw)
+                except BaseException:
+                    ring.end_spill(pos, moved=False)  # still deliverable here
+                    raise
+                ring.end_spill(pos, moved=True)
                 for p in self._placements.get(key, ()):
                     if p.ring_pos == pos and self._edges.get(p.edge) is edge:
                         p.ring_pos = None
@@ -358,17 +389,46 @@ class Sender:
             scope = self._shared.scope
             if scope is None or os.getpid() != self._shared.owner_pid:
                 return False
-            placements = self._placements.pop(key, None)
-            if not placements:
-                return False
-            found = False
-            for p in placements:
-                res = self._retire(scope, p)
-                if res is _BUSY:
-                    found = self._supersede_busy(p) or found
+            return self._cleanup_locked(scope, key)
+
+    def _cleanup_locked(self, scope: ScopeDir, key: str) -> bool:
+        placements = self._placements.pop(key, None)
+        if not placements:
+            return False
+        found = False
+        for p in placements:
+            res = self._retire(scope, p)
+            if res is _BUSY:
+                found = self._supersede_busy(p) or found
+            else:
+                found = res or found
+        return found
+
+    def taken(self) -> list[str]:
+        """See :meth:`HostTransportConnector.taken`."""
+        with self._lock:
+            scope = self._shared.scope
+            if scope is None or os.getpid() != self._shared.owner_pid:
+                return []
+            names: set[str] | None = None
+            gone = []
+            for key, placements in self._placements.items():
+                for p in placements:
+                    if p.ring_pos is not None:
+                        edge = self._edges.get(p.edge)
+                        ring = edge.ring if edge is not None else None
+                        if ring is not None and ring.unclaimed(p.ring_pos):
+                            break
+                    else:
+                        if names is None:  # one listing, not a stat per key
+                            names = set(os.listdir(scope.fd))
+                        if p.seg_name + ".seg" in names:
+                            break
                 else:
-                    found = res or found
-            return found
+                    gone.append(key)
+            for key in gone:
+                del self._placements[key]
+            return gone
 
     def _supersede_busy(self, p: _Placement) -> bool:
         """A placement whose lock stayed busy: a ring frame gets a tombstone
@@ -395,17 +455,32 @@ class Sender:
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Unlink this side's rings (the owner process)."""
+        """Withdraw every payload of this side that no receiver took (the
+        segments; the rings are unlinked with theirs) and its registration
+        (the owner process): what a connector published does not outlive
+        it, whoever else keeps the scope open."""
         with self._lock:
-            had_ring = False
+            scope = self._shared.scope
+            if scope is not None:
+                for placements in self._placements.values():
+                    for p in placements:
+                        if p.ring_pos is None:
+                            with contextlib.suppress(OSError):
+                                perkey.remove_segment(scope.fd, p.seg_name)
+            self._placements.clear()
+            changed = False
             for edge in self._edges.values():
                 if edge.ring is not None:
                     edge.ring.close(unlink=True)
                     edge.ring = None
-                    had_ring = True
+                    changed = True
             self._edges.clear()
-            scope = self._shared.scope
-            if had_ring and scope is not None:
+            member, self._member = self._member, None
+            if member is not None and scope is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(member, dir_fd=scope.fd)
+                changed = True
+            if changed and scope is not None:
                 with contextlib.suppress(Exception):
                     scope.advance_stamp()
 

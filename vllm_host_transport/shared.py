@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the sending and the receiving side of one connector share: the
-scope directory, the process that owns them, the counters, and the names
-both sides derive from an edge and a key."""
+scope directory, the process that owns them, the counters, the watch on
+the scope's other producers, and the names both sides derive from an edge
+and a key."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from vllm_host_transport.discovery import (
     ScopeDir,
     hex_name,
 )
+from vllm_host_transport.liveness import Liveness
 
 # This process's pid, kept current in forked children, so the hot paths can
 # tell a connector inherited through a fork without a system call.
@@ -66,6 +68,7 @@ class Shared:
         self.owner_pid = os.getpid()  # owns the rings and the membership
         self.pid, self.start = pid, start  # this process's identity
         self.stats = stats
+        self.liveness = Liveness(scope, (pid, start), stats)
         self.closed = False
 
     def check_open(self) -> ScopeDir:

@@ -26,6 +26,7 @@ from vllm_host_transport import (
 )
 from vllm_host_transport import codec as codecmod
 from vllm_host_transport import ring as ringmod
+from vllm_host_transport import ring_view as viewmod
 
 from . import helpers
 from .conftest import TINY_RING, scope_path
@@ -333,8 +334,8 @@ def test_empty_polling_takes_no_lock_and_scans_nothing(make_conn, monkeypatch):
     c = make_conn(TINY_RING)
     assert c.get("p", "c", "missing") is None  # first miss does the work
     calls = []
-    # ring.py claims through its own alias of fcntl.flock: spy on both.
-    spied = ((ringmod, "_flock"), (fcntl, "flock"), (os, "listdir"), (os, "open"))
+    # ring_view.py claims through its own alias of fcntl.flock: spy on both.
+    spied = ((viewmod, "_flock"), (fcntl, "flock"), (os, "listdir"), (os, "open"))
     for mod, name in spied:
         orig = getattr(mod, name)
 
@@ -490,8 +491,8 @@ def test_dead_producer_payload_never_reaches_reused_key(scope, make_conn, ring_b
     p.join(30)
     c = make_conn(TINY_RING)
     assert c.get("p", "c", "k") is None
-    h = c.health()
-    assert h["dead_producer_frames"] + h["dead_producers_pruned"] == 1
+    # Removed when the receiver joined the scope (the producer was dead).
+    assert c.health()["dead_producers_swept"] == 1
     fresh = make_conn(ring_bytes)
     fresh.put("p", "c", "k", "fresh")
     assert c.get("p", "c", "k")[0] == "fresh"

@@ -15,10 +15,14 @@ engine's output socket or the API server. Two places (``ref_transport``):
   host that reaches its master read it until it is removed.
 
 What nobody fetches is bounded: a payload leaves after ``ref_ttl_s``, the
-oldest ones leave while more than ``ref_max_bytes`` wait, and everything
-left goes when the engine stops. Retiring a payload that was fetched is a
-no-op. Used by the hand-off thread only (``route_handoff.py``); counters
-are read by the engine's.
+oldest ones leave while more than ``ref_max_bytes`` or
+:data:`MAX_WAITING_REFS` wait, and everything left goes when the engine
+stops (a killed engine's host payloads are removed by the next engine or
+fetch in the scope, see ``vllm_host_transport/liveness.py``). The expiry
+pass (:meth:`RouteRefs.expire`, every second) also learns which host
+payloads were fetched, so ``waiting_bytes`` counts only what really waits.
+Retiring a payload that was fetched is a no-op. Used by the hand-off thread
+only (``route_handoff.py``); counters are read by the engine's.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+#: Most references whose payloads wait at once; the oldest is removed beyond
+#: it (counted as expired), like beyond ``ref_max_bytes``.
+MAX_WAITING_REFS = 1 << 16
+
 
 class RouteRefPublishError(ArtifactError):
     """Routes could not be handed out by reference."""
@@ -57,7 +65,11 @@ class _HostSink:
 
     def __init__(self, scope: str | None) -> None:
         try:
-            self._conn = HostTransportConnector(HostTransportConfig(scope=scope))
+            # A squatted scope directory is replaced by a fresh private scope,
+            # which every reference names: the consumer needs nothing else.
+            self._conn = HostTransportConnector(
+                HostTransportConfig(scope=scope, scope_fallback=True)
+            )
         except (HostTransportError, OSError, ValueError) as e:
             raise RouteRefPublishError(
                 f"cannot open the host transport for routed-experts references "
@@ -79,8 +91,16 @@ class _HostSink:
     def retire(self, key: str) -> bool:
         return self._conn.cleanup(key)
 
+    def taken(self) -> list[str]:
+        """Keys fetched since the last call."""
+        return self._conn.taken()
+
+    def upkeep(self) -> None:
+        # What killed engines of this scope left (none of ours).
+        self._conn.remove_dead()
+
     def close(self) -> None:
-        self._conn.close()
+        self._conn.close()  # withdraws every payload not fetched yet
 
 
 class _MooncakeSink:
@@ -110,6 +130,14 @@ class _MooncakeSink:
         # eviction still bounds what stays.
         return self._store.remove(key) == 0
 
+    def taken(self) -> list[str]:
+        # A Mooncake payload can be read any number of times: it waits until
+        # its TTL whether it was read or not.
+        return []
+
+    def upkeep(self) -> None:
+        pass
+
     def close(self) -> None:
         from vllm.distributed.artifact_connector.mooncake import client
 
@@ -129,8 +157,10 @@ class RouteRefs:
     def __init__(self, cfg: ArtifactConfig) -> None:
         self._max_bytes = cfg.ref_max_bytes
         self._ttl_s = cfg.ref_ttl_s
-        # Payloads never seen to go, oldest first.
-        self._waiting: collections.deque[_Waiting] = collections.deque()
+        # Payloads never seen to go, by key, oldest first.
+        self._waiting: collections.OrderedDict[str, _Waiting] = (
+            collections.OrderedDict()
+        )
         self.waiting_bytes = 0
         self.published = 0
         self.expired = 0
@@ -149,11 +179,15 @@ class RouteRefs:
                 f"routes of {rows.nbytes} bytes exceed ref_max_bytes "
                 f"({self._max_bytes}); raise it in --artifact-config"
             )
-        while self._waiting and self.waiting_bytes + rows.nbytes > self._max_bytes:
-            self._retire(self._waiting.popleft())
+        waiting = self._waiting
+        while waiting and (
+            self.waiting_bytes + rows.nbytes > self._max_bytes
+            or len(waiting) >= MAX_WAITING_REFS
+        ):
+            self._retire(waiting.popitem(last=False)[1])
         key = secrets.token_hex(16)
         self._sink.put(key, rows)
-        self._waiting.append(_Waiting(key, rows.nbytes, time.monotonic() + self._ttl_s))
+        waiting[key] = _Waiting(key, rows.nbytes, time.monotonic() + self._ttl_s)
         self.waiting_bytes += rows.nbytes
         self.published += 1
         return RoutedExpertsRef(
@@ -176,20 +210,29 @@ class RouteRefs:
         }
 
     def expire(self) -> None:
-        """Retire the payloads past their TTL."""
+        """The periodic pass: forget the payloads that were fetched, retire
+        those past their TTL, and remove what killed engines left."""
+        waiting = self._waiting
+        for key in self._sink.taken():
+            w = waiting.pop(key, None)
+            if w is not None:
+                self.waiting_bytes -= w.nbytes
         now = time.monotonic()
-        while self._waiting and self._waiting[0].expires <= now:
-            self._retire(self._waiting.popleft())
+        while waiting:
+            w = next(iter(waiting.values()))
+            if w.expires > now:
+                break
+            del waiting[w.key]
+            self._retire(w)
+        self._sink.upkeep()
 
     def retire(self, key: str) -> None:
         """Remove one handed-out payload now: its request ended without the
         reference (it came past the request's deadline)."""
-        for w in self._waiting:
-            if w.key == key:
-                self._waiting.remove(w)
-                self.waiting_bytes -= w.nbytes
-                self._sink.retire(key)
-                return
+        w = self._waiting.pop(key, None)
+        if w is not None:
+            self.waiting_bytes -= w.nbytes
+            self._sink.retire(key)
 
     def _retire(self, w: _Waiting) -> None:
         self.waiting_bytes -= w.nbytes
@@ -199,8 +242,8 @@ class RouteRefs:
     def close(self) -> None:
         """Remove everything still waiting (the engine stops)."""
         if self._sink.transport == "mooncake":
-            for w in self._waiting:
-                self._sink.retire(w.key)
+            for key in self._waiting:
+                self._sink.retire(key)
         self._waiting.clear()
         self.waiting_bytes = 0
         self._sink.close()

@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What killed producers left in a scope, found by process identity and
+removed by whoever looks next.
+
+A sending connector registers itself in its scope with an empty file
+``member-<pid>-<start>-<instance>`` before its first payload (a ring names
+the same identity). A producer that closes withdraws its payloads and its
+registration; a killed one leaves them, and nothing else would ever remove
+them while any other connector keeps the scope open. :class:`Liveness`
+watches the scope's producers (a pidfd each, see
+:mod:`.process_identity`) and, once one of them is gone, removes its rings,
+its per-key segments, its half-written files and then its registration. It
+runs when a connector joins the scope, on every receive that misses, and
+when the owner asks (:meth:`HostTransportConnector.remove_dead`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+
+from vllm_host_transport import perkey
+from vllm_host_transport.discovery import RING_NAME_RE, HostTransportError, ScopeDir
+from vllm_host_transport.process_identity import ProcessWatch, process_start_ticks
+
+MEMBER_RE = re.compile(r"^member-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})$")
+# A per-key segment being written: ``.tmp-<h>-<pid>`` (perkey.write_segment).
+_SEG_TMP_RE = re.compile(r"^\.tmp-[0-9a-f]{32}-([0-9]{1,10})$")
+
+
+def member_name(pid: int, start: int, instance: int) -> str:
+    return f"member-{pid}-{start}-{instance:016x}"
+
+
+def _producer(name: str) -> tuple[int, int] | None:
+    """The (pid, start) a registration or a ring (built or being built)
+    names, else None."""
+    m = MEMBER_RE.match(name)
+    if m is not None:
+        return int(m.group(1)), int(m.group(2))
+    m = RING_NAME_RE.match(name[5:] if name.startswith(".tmp-") else name)
+    if m is not None:
+        return int(m.group(2)), int(m.group(3))
+    return None
+
+
+class Liveness:
+    """The producers of one scope, other than this process, and the removal
+    of what the dead ones left. Thread-safe; never waits on another thread
+    or process (a busy lock skips, the next look retries)."""
+
+    def __init__(
+        self, scope: ScopeDir, own: tuple[int, int], stats: dict[str, int]
+    ) -> None:
+        self._scope: ScopeDir | None = scope
+        self._own = own
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._seen_stamp = -1
+        self._watches: dict[tuple[int, int], ProcessWatch] = {}
+
+    def check(self) -> int:
+        """Remove what producers that died since the last look left; returns
+        how many such producers there were. Cheap while nothing changed: a
+        read of the stamp and one pidfd poll per producer."""
+        if not self._lock.acquire(blocking=False):
+            return 0  # another thread of this process is looking
+        try:
+            scope = self._scope
+            if scope is None:
+                return 0
+            # Registrations and retirements move the stamp: read it before
+            # the listing, so a change during the listing is seen next time.
+            stamp = scope.read_stamp()
+            if stamp != self._seen_stamp:
+                self._refresh(scope)
+                self._seen_stamp = stamp
+            dead = {p for p, w in self._watches.items() if not w.alive()}
+            if dead:
+                self._sweep(scope, dead)
+            return len(dead)
+        except OSError:
+            return 0  # the scope cannot be listed now; the next look retries
+        finally:
+            self._lock.release()
+
+    def _refresh(self, scope: ScopeDir) -> None:
+        found = {p for n in os.listdir(scope.fd) if (p := _producer(n)) is not None}
+        found.discard(self._own)
+        for p in self._watches.keys() - found:
+            self._watches.pop(p).close()
+        for p in found - self._watches.keys():
+            self._watches[p] = ProcessWatch(*p)
+
+    def _sweep(self, scope: ScopeDir, dead: set[tuple[int, int]]) -> None:
+        fd = scope.fd
+        dead_pids = {pid for pid, _ in dead}
+        members = []
+        segments = 0
+        for name in os.listdir(fd):
+            p = _producer(name)
+            if p is not None:
+                if p not in dead:
+                    continue
+                if name.startswith("member-"):
+                    members.append(name)  # last: the registration says "look"
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+            elif name.endswith(".seg"):
+                # The lock is only tried: a receiver holding it discards the
+                # segment itself (its producer is dead).
+                if (
+                    perkey.segment_producer(fd, name) in dead
+                    and perkey.remove_segment(fd, name[:-4], 0.0) is True
+                ):
+                    segments += 1
+            elif (m := _SEG_TMP_RE.match(name)) is not None:
+                pid = int(m.group(1))
+                if pid in dead_pids and process_start_ticks(pid) is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=fd)
+        for name in members:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+        for p in dead:
+            self._watches.pop(p).close()
+        # Receivers with a dead ring mapped drop it at their next discovery.
+        with contextlib.suppress(OSError, HostTransportError):
+            scope.advance_stamp(wait=False)
+        self._stats["dead_producers_swept"] += len(dead)
+        self._stats["dead_segments_removed"] += segments
+
+    def close(self) -> None:
+        """Stop looking (waits for a look in progress: the scope's
+        descriptor is closed next)."""
+        with self._lock:
+            self._scope = None
+            for w in self._watches.values():
+                w.close()
+            self._watches.clear()
