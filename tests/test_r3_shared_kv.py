@@ -9,20 +9,33 @@ from the shared key space and for the rest (the partial last block, the
 completion) from its own forward; every array is checked against
 transformers' router in float32. Both ways KV moves between engines here:
 a pool both engines read and write (``kv_both``), and a prefill/decode
-pair (``kv_producer`` -> ``kv_consumer``). Faults: the prefill engine
+pair (``kv_producer`` -> ``kv_consumer``), the decode engine also as
+``vllm serve`` with idle gaps of 6 s between requests. Faults: the prefill engine
 restarted (the routes its segment held go with it; the decode engine takes
 the blocks whose routes survived and recomputes the rest), the shared routes
-removed behind the engines and the master stopped (the KV is recomputed
-instead of loaded, routes exact) and restarted (loaded again), and an
+removed behind the engines, the master stopped (the KV is recomputed
+instead of loaded, routes exact) and restarted (loaded again), the master
+frozen (both engines serve on, exactly, without waiting for it), and an
 engine that hashes blocks differently refused at startup."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 from utils.mooncake import running_master
-from utils.r3 import SHARED_PREFIX, assert_exact, engine_kwargs, greedy
+from utils.r3 import (
+    SHARED_PREFIX,
+    assert_completion_exact,
+    assert_exact,
+    engine_kwargs,
+    greedy,
+    http_post,
+    r3_server,
+    serve_flags,
+    shm_root,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -41,26 +54,34 @@ def master():
         yield m
 
 
-def _engine(model, master, storage, role: str, **overrides):
-    from vllm import LLM
+def _kv_transfer(storage, role: str) -> dict:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
 
-    kwargs = engine_kwargs(
-        model,
-        disable_log_stats=False,
-        kv_transfer_config={
-            "kv_connector": "ExampleConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-        },
-        **overrides,
-    )
-    kwargs["artifact_config"].update(
+
+def _shared_tier(master) -> dict:
+    return dict(
         backend="mooncake",
         key_space=KEY_SPACE,
         mooncake_master=master.address,
         mooncake_segment_bytes=64 << 20,
         mooncake_buffer_bytes=16 << 20,
     )
+
+
+def _engine(model, master, storage, role: str, **overrides):
+    from vllm import LLM
+
+    kwargs = engine_kwargs(
+        model,
+        disable_log_stats=False,
+        kv_transfer_config=_kv_transfer(storage, role),
+        **overrides,
+    )
+    kwargs["artifact_config"].update(_shared_tier(master))
     return LLM(**kwargs)
 
 
@@ -144,6 +165,49 @@ def test_prefill_decode_pair(tiny_moe, master, tmp_path):
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     finally:
         _close(prefill, decode)
+
+
+SERVE_PROMPTS = 20
+IDLE_GAP_S = 6.0  # Mooncake issue 4209: the first transfer after ~5 s idle
+
+
+def test_decode_engine_over_http(tiny_moe, master, tmp_path):
+    """The decode engine as ``vllm serve`` (kv_consumer, its flags as a user
+    passes them) behind a prefill engine, with idle gaps longer than 5 s
+    between requests (the trigger of Mooncake issue 4209 on 0.3.13.post1):
+    every OpenAI completion returns the routes of the whole request, exact;
+    its usage counts the blocks it loaded as cached, whole blocks, as far
+    as their routes reached the decode engine."""
+    prefill = _engine(
+        tiny_moe, master, tmp_path, "kv_producer", served_model_name="tiny"
+    )
+    root = shm_root()
+    flags = serve_flags(root, **_shared_tier(master))
+    flags += ["--kv-transfer-config", json.dumps(_kv_transfer(tmp_path, "kv_consumer"))]
+    loaded = []
+    try:
+        with r3_server(tiny_moe, flags, root, "test-r3-shared-kv-serve.log") as srv:
+            for i in range(SERVE_PROMPTS):
+                time.sleep(IDLE_GAP_S)
+                prompt = _prompts(f"pd-http-{i}")[i % 2]
+                (done,) = prefill.generate([prompt], greedy(1), use_tqdm=False)
+                time.sleep(IDLE_GAP_S)
+                status, body = http_post(srv.base_url, "/v1/completions", {
+                    "model": "tiny", "prompt": prompt, "max_tokens": 4,
+                    "temperature": 0.0, "return_token_ids": True,
+                    "ignore_eos": True,
+                })  # fmt: skip
+                assert status == 200, (i, body)
+                assert body["choices"][0]["prompt_token_ids"] == done.prompt_token_ids
+                cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached % BLOCK == 0 and cached <= _from_storage(done)
+                assert_completion_exact(tiny_moe, body)
+                loaded.append(cached == _from_storage(done))
+    finally:
+        _close(prefill)
+        print(f"decode engine over HTTP: {sum(loaded)} of {len(loaded)} loaded whole")
+    # Exact every time; the hit itself is Mooncake's to give.
+    assert sum(loaded) > len(loaded) // 2, loaded
 
 
 def test_pool_hit_on_kv_the_other_engine_computed(pool, tiny_moe):
@@ -232,6 +296,57 @@ def test_master_stopped_and_restarted(pool, tiny_moe, master):
         if _loaded(out) == _from_storage(out):
             break
         assert time.monotonic() < deadline, "the KV pool's hits never came back"
+
+
+def _gauge(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == P + name)
+
+
+def test_master_frozen_both_engines_keep_serving(pool, tiny_moe, master):
+    """The master frozen (SIGSTOP: every Mooncake call to it hangs, up to
+    Mooncake's own 30 s timeout): both engines keep serving, exactly and
+    before it resumes. b recomputes the KV of a's prompt (the tier gives
+    no answer in time), a's own prefix hits and new prompts are exact,
+    nothing stays retained; after the resume, sharing comes back."""
+    import os
+    import signal
+
+    a, b = pool
+    before, new = (_prompts(t)[0] for t in ("frozen-before", "frozen-new"))
+    (out,) = a.generate([before], greedy(2), use_tqdm=False)
+    time.sleep(1.0)
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        (out,) = b.generate([before], greedy(4), use_tqdm=False)
+        assert _loaded(out) == 0
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        for llm in (a, b):  # a local prefix hit each, and new prompts
+            outs = llm.generate([before, new], greedy(4), use_tqdm=False)
+            assert _loaded(outs[0]) > 0
+            for out in outs:
+                assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        (out,) = b.generate([f"b {new}"], greedy(4), use_tqdm=False)
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        served_s = time.monotonic() - t0
+        time.sleep(1.5)  # the workers' counters come with a step, once a second
+        for llm in (a, b):
+            llm.generate(["Once"], greedy(1), use_tqdm=False)
+            assert _gauge(llm, "store_retained_objects") == 0
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    # Mooncake would hold each call 30 s: the engines waited for none.
+    assert served_s < 15.0, f"{served_s:.1f} s with the master frozen"
+    deadline = time.monotonic() + 90
+    for i in range(1000):
+        prompt = f"{i} thawed {new}"
+        a.generate([prompt], greedy(1), use_tqdm=False)
+        time.sleep(1.0)
+        (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        if _loaded(out) == _from_storage(out):
+            break
+        assert time.monotonic() < deadline, "sharing never came back"
 
 
 def test_engine_hashing_differently_is_refused(tiny_moe, master, tmp_path, capfd):
