@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import signal
+import stat
 import threading
 import time
 import uuid
@@ -100,9 +103,14 @@ def server(request, tiny_moe, scope):
 
 
 def _assert_no_payloads_left(scope: str) -> None:
-    path = os.path.join("/dev/shm", _scope_name(scope))
+    assert _payload_files(os.path.join("/dev/shm", _scope_name(scope))) == []
+
+
+def _payload_files(path: str) -> list[str]:
+    """What producers left in a scope directory: rings, per-key segments,
+    registrations."""
     left = os.listdir(path) if os.path.exists(path) else []
-    assert [n for n in left if n.startswith("ring-") or n.endswith(".seg")] == []
+    return [n for n in left if n.startswith(("ring-", "member-")) or n.endswith(".seg")]
 
 
 def _host_only(server) -> None:
@@ -407,3 +415,114 @@ def test_offline_references_bounded_in_bytes(tiny_moe, consumer):
     # The engine's ring and unfetched segments are gone; the scope itself
     # stays while the consumer holds it open (its close removes it).
     _assert_no_payloads_left(scope)
+
+
+# ------------------------------------------- squatted, stopped, killed
+NOBODY = 65534
+
+
+def _three_refs(llm):
+    from vllm.inputs import TokensPrompt
+
+    outs = [
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=list(range(s, s + 30)))],
+            greedy(8, routed_experts_format="ref"),
+            use_tqdm=False,
+        )[0]
+        for s in (10, 50, 90)
+    ]
+    return outs, [o.outputs[0].routed_experts_ref for o in outs]
+
+
+def test_a_squatted_scope_then_a_clean_close_while_a_trainer_holds_it(
+    tiny_moe, tmp_path
+):
+    """Another user created the scope's directory first: the engine hands
+    references out in a fresh private scope that they name, and they fetch
+    exactly. The trainer keeps ``fetch``'s connector (the scope) open while
+    the engine stops: the engine's payloads go at its close all the same."""
+    from vllm import LLM
+
+    scope = f"r3ref-{uuid.uuid4().hex[:12]}"
+    squat = os.path.join("/dev/shm", _scope_name(scope))
+    os.mkdir(squat, 0o700)
+    trainer = None
+    try:
+        try:
+            os.chown(squat, NOBODY, NOBODY)
+        except PermissionError:
+            pytest.skip("making a directory of another user needs root")
+        trainer = Consumer(tmp_path)
+        kwargs = engine_kwargs(tiny_moe)
+        kwargs["artifact_config"].update(ref_scope=scope)
+        llm = LLM(**kwargs)
+        try:
+            outs, refs = _three_refs(llm)
+            location = refs[0].location
+            assert location.startswith(scope + "~")
+            assert {r.location for r in refs} == {location}
+            _assert_ref_exact(
+                trainer, tiny_moe, refs[0].to_json(), outs[0].prompt_token_ids,
+                outs[0].outputs[0].token_ids,
+            )  # fmt: skip
+            fallback = os.path.join("/dev/shm", _scope_name(location))
+            assert stat.S_IMODE(os.stat(fallback).st_mode) == 0o700
+            assert _payload_files(fallback)  # the two others wait there
+        finally:
+            llm.llm_engine.engine_core.shutdown(timeout=30)
+            del llm
+        # Stopped: nothing of the engine's is left, though the trainer
+        # holds the scope (its directory stays until the trainer lets go).
+        assert os.path.isdir(fallback) and _payload_files(fallback) == []
+        for ref in refs[1:]:
+            assert trainer.fetch(ref.to_json()) == "RouteRefMissingError"
+    finally:
+        if trainer is not None:
+            trainer.close()
+        os.rmdir(squat)
+    assert not os.path.exists(fallback)
+
+
+def test_a_killed_engine_core_while_a_trainer_holds_the_scope(tiny_moe, tmp_path):
+    """The engine core is SIGKILLed with references waiting while the
+    trainer holds the scope: its next fetch in the scope (here one of the
+    dead engine's references, which is gone) removes everything the killed
+    engine left before it answers."""
+    from vllm import LLM
+
+    scope = f"r3ref-{uuid.uuid4().hex[:12]}"
+    path = os.path.join("/dev/shm", _scope_name(scope))
+    trainer = Consumer(tmp_path)
+    kwargs = engine_kwargs(tiny_moe)
+    kwargs["artifact_config"].update(ref_scope=scope)
+    root = kwargs["artifact_config"]["shm_root"]
+    try:
+        llm = LLM(**kwargs)
+        try:
+            outs, refs = _three_refs(llm)
+            _assert_ref_exact(
+                trainer, tiny_moe, refs[0].to_json(), outs[0].prompt_token_ids,
+                outs[0].outputs[0].token_ids,
+            )  # fmt: skip
+            assert _payload_files(path)
+            (core,) = llm.llm_engine.engine_core.resources.engine_manager.processes
+            os.kill(core.pid, signal.SIGKILL)
+            core.join(30)
+            assert core.exitcode == -signal.SIGKILL
+            assert _payload_files(path)  # nobody removed them yet
+            t0 = time.monotonic()
+            assert trainer.fetch(refs[1].to_json()) == "RouteRefMissingError"
+            took = time.monotonic() - t0
+            assert _payload_files(path) == []
+            assert took < 0.5, took  # a missing reference answers at once
+            assert trainer.fetch(refs[2].to_json()) == "RouteRefMissingError"
+        finally:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown(timeout=30)
+            del llm
+    finally:
+        trainer.close()
+        # The killed engine's artifact store (its writer died with it).
+        shutil.rmtree(root, ignore_errors=True)
+    assert not os.path.exists(path)

@@ -79,3 +79,61 @@ def test_a_consumer_killed_mid_fetch_loses_nothing(refs):
     again = refs.publish(rows[:10], 3)
     np.testing.assert_array_equal(fetch(again), rows[:10])
     assert refs.counters()["published"] == 2
+
+
+def test_waiting_bytes_count_only_what_was_not_fetched(refs):
+    rows = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    a, b = refs.publish(rows, 0), refs.publish(rows, 0)
+    assert refs.counters()["waiting_bytes"] == 2 * rows.nbytes
+    np.testing.assert_array_equal(fetch(a), rows)
+    refs.expire()  # the hand-off thread's pass, every second
+    assert refs.counters() == {
+        "waiting_bytes": rows.nbytes,
+        "published": 2,
+        "expired": 0,
+    }
+    np.testing.assert_array_equal(fetch(b), rows)
+    refs.expire()
+    assert refs.counters()["waiting_bytes"] == 0
+
+
+def test_the_waiting_references_are_bounded_in_number(refs, monkeypatch):
+    from vllm.distributed.artifact_connector import route_refs
+
+    # The bound (65,536 by default) made small enough to reach here.
+    assert route_refs.MAX_WAITING_REFS == 65536
+    monkeypatch.setattr(route_refs, "MAX_WAITING_REFS", 3)
+    rows = np.zeros((1, 3, 4), dtype=np.uint8)
+    made = [refs.publish(rows, 0) for _ in range(5)]
+    assert refs.counters()["expired"] == 2
+    assert refs.counters()["waiting_bytes"] == 3 * rows.nbytes
+    for ref in made[:2]:  # the oldest went
+        with pytest.raises(RouteRefMissingError):
+            fetch(ref)
+    for ref in made[2:]:
+        np.testing.assert_array_equal(fetch(ref), rows)
+
+
+def test_a_squatted_ref_scope_falls_back_and_references_name_it():
+    scope = f"refs-{uuid.uuid4().hex[:10]}"
+    path = os.path.join("/dev/shm", ScopeDir.dir_name(scope))
+    os.mkdir(path, 0o700)
+    try:
+        try:
+            os.chown(path, 65534, 65534)  # another user's (CI runs as root)
+        except PermissionError:
+            pytest.skip("making a directory of another user needs root")
+        refs = RouteRefs(ArtifactConfig(ref_scope=scope))
+        try:
+            rows = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+            ref = refs.publish(rows, 1)
+            assert ref.location.startswith(scope + "~")
+            np.testing.assert_array_equal(fetch(ref.to_json()), rows)
+        finally:
+            refs.close()
+            routed_experts.close()
+        assert not os.path.exists(
+            os.path.join("/dev/shm", ScopeDir.dir_name(ref.location))
+        )
+    finally:
+        os.rmdir(path)
