@@ -135,7 +135,7 @@ class HostTransportConnector:
                 sender.close()
             if receiver is not None:
                 receiver.close()
-        shared.liveness.close()  # it uses the scope's descriptor
+        shared.liveness.close(wait=teardown)  # it uses the scope's descriptor
         scope, shared.scope = shared.scope, None
         scope.close(teardown=teardown)
 
@@ -196,7 +196,9 @@ class HostTransportConnector:
         misses do the same; a producer that receives nothing calls this now
         and then (cheap while nobody died: a pidfd poll per producer)."""
         shared = self._shared
-        return 0 if shared is None else shared.liveness.check()
+        if shared is None or shared.owner_pid != os.getpid():
+            return 0  # a forked child touches nothing of its parent's
+        return shared.liveness.check()
 
     def get(
         self,

@@ -257,7 +257,10 @@ class ScopeDir:
             try:
                 fd = _open_scope_dir(root_fd, self.name, self.path, create)
             except FileNotFoundError:
-                raise HostTransportError(f"{self.path} vanished") from None
+                # Removed between our mkdir and open by a last closer.
+                if not create or time.monotonic() > deadline:
+                    raise HostTransportError(f"{self.path} vanished") from None
+                continue
             # Busy only while a last closer removes the directory.
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -134,11 +134,19 @@ class Liveness:
         self._stats["dead_producers_swept"] += len(dead)
         self._stats["dead_segments_removed"] += segments
 
-    def close(self) -> None:
-        """Stop looking (waits for a look in progress: the scope's
-        descriptor is closed next)."""
-        with self._lock:
-            self._scope = None
-            for w in self._watches.values():
-                w.close()
-            self._watches.clear()
+    def close(self, wait: bool = True) -> None:
+        """Stop looking. ``wait``: for a look in progress, as the scope's
+        descriptor is closed next; a forked child passes False (a parent
+        thread may have held the lock at the fork, and the child never
+        looks)."""
+        if wait:
+            with self._lock:
+                self._drop()
+        else:
+            self._drop()
+
+    def _drop(self) -> None:
+        self._scope = None
+        watches, self._watches = self._watches, {}
+        for w in watches.values():
+            w.close()
