@@ -51,7 +51,6 @@ from mooncake_master import start_master
 
 from vllm.config.artifact import ArtifactConfig
 from vllm.distributed.artifact_connector.mooncake import client as mc
-from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
 from vllm.distributed.artifact_connector.mooncake.tiered import SharedTierWriter
 from vllm.distributed.artifact_connector.shm import ShmStoreWriter
 from vllm.distributed.artifact_connector.store import checksum
@@ -98,13 +97,15 @@ def writer_pair(root: str, master: str):
         mooncake_master=master,
         mooncake_segment_bytes=1 << 30,
         mooncake_buffer_bytes=64 << 20,
+        shared_pull_timeout_s=10.0,  # time the pulls, never their deadline
     )
     out = []
     for seg in (None, 256 << 20):  # two clients: the pull crosses the transport
         client = mc.acquire(cfg, segment_bytes=seg)
         local = ShmStoreWriter(root, uuid.uuid4().hex, capacity_bytes=2 << 30)
-        shared = MooncakeObjects(client, master, max_object_nbytes=OBJECT_NBYTES)
-        out.append(SharedTierWriter(local, shared, pull_timeout_s=10.0, client=client))
+        out.append(
+            SharedTierWriter(local, cfg, max_object_nbytes=OBJECT_NBYTES, client=client)
+        )
     return out
 
 
@@ -135,7 +136,7 @@ def main() -> None:
                 keys, lengths, data, sums = objects(n, rng)
                 r["shared_put_s"] = put_s(a, keys, lengths, data, sums)
                 t = time.perf_counter()
-                assert all(b._shared.exists(keys))  # what ExternalHits asks
+                assert all(b._lanes.call(lambda o, k=keys: o.exists(k), 10.0))
                 r["shared_exists_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 refs = b.lookup(keys)

@@ -24,6 +24,13 @@ whatever the thread is doing; this thread only makes that cheap:
 Any exception of the sink fails that one reference; the thread lives on.
 Expiry of unfetched payloads (``ref_ttl_s``) runs every
 :data:`EXPIRY_INTERVAL_S` under load as when idle.
+
+The transport is opened once, on this thread: at start with ``open_now``
+(a Mooncake Store), else with the first reference. A transport that cannot
+be opened fails every reference, and is not tried again while the engine
+serves: Mooncake's client ``setup`` holds the interpreter lock until it
+returns (about 90 s against a master that is down), which would stall the
+whole engine core.
 """
 
 from __future__ import annotations
@@ -76,11 +83,14 @@ class RouteHandoff:
         results: RouteResults,
         make_refs: Callable[[], RouteRefs] | None,
         timeout_s: float,
+        *,
+        open_now: bool = False,
     ) -> None:
         self._results = results
         self._make_refs = make_refs
         self.timeout_s = timeout_s
-        self._refs: RouteRefs | None = None  # made on this thread, first job
+        self._refs: RouteRefs | None = None  # made on this thread, once
+        self._refs_error: str | None = None  # why it could not be made
         self._cv = threading.Condition()
         self._queued: list[Handoff] = []
         self._to_retire: list[str] = []
@@ -89,6 +99,9 @@ class RouteHandoff:
         self._breaker = Breaker(
             "the reference transport", timeout_s, "ref_handoff_timeout_s"
         )
+        self._open_now = open_now
+        if open_now:
+            self._start()
 
     # ------------------------------------------------------------ engine side
     def submit(self, jobs: list[Handoff]) -> None:
@@ -146,6 +159,11 @@ class RouteHandoff:
     # ------------------------------------------------------------ thread
     def _run(self) -> None:
         next_expiry = time.monotonic() + EXPIRY_INTERVAL_S
+        if self._open_now:
+            try:
+                self._route_refs()
+            except RouteRefPublishError as e:
+                logger.error("routed-experts references are unavailable: %s", e)
         try:
             while True:
                 with self._cv:
@@ -215,7 +233,16 @@ class RouteHandoff:
                 raise RouteRefPublishError(
                     "this engine hands out no routed-experts references"
                 )
-            self._refs = self._make_refs()  # raises RouteRefPublishError
+            if self._refs_error is not None:
+                raise RouteRefPublishError(self._refs_error)
+            try:
+                self._refs = self._make_refs()
+            except RouteRefPublishError as e:
+                self._refs_error = (
+                    f"{e} (the reference transport is opened once: restart "
+                    "the engine once it can be reached)"
+                )
+                raise RouteRefPublishError(self._refs_error) from e
         return self._refs
 
 

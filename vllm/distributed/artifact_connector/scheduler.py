@@ -119,7 +119,10 @@ class ArtifactSchedulerConnector:
             ShmStoreReader(cfg.shm_root, namespace), self.spec, self._results
         )
         self._handoff = RouteHandoff(
-            self._results, lambda: RouteRefs(cfg), cfg.ref_handoff_timeout_s
+            self._results,
+            lambda: RouteRefs(cfg),
+            cfg.ref_handoff_timeout_s,
+            open_now=cfg.ref_transport == "mooncake",
         )
         self._step_empty = False
         self._records: dict[str, RequestRecord] = {}

@@ -64,6 +64,7 @@ class ExternalHits:
                 self._timeout_s,
                 "shared_check_timeout_s",
             ),
+            on_exit=self._close_client,
         )
         self._last_warning = 0.0
 
@@ -102,10 +103,10 @@ class ExternalHits:
             )
 
     def close(self) -> None:
-        if self._client is not None:
-            # A call still in the client keeps it: closing it under the
-            # call would free what the call uses.
-            if self._remote.close():
-                self._shared.close()
-                mc.release(self._client)
-            self._client = None
+        """A check still in the client closes it when it returns."""
+        self._remote.close()
+
+    def _close_client(self) -> None:
+        """On the client's thread, when it stops."""
+        self._shared.close()
+        mc.release(self._client)

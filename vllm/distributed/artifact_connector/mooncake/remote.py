@@ -19,7 +19,9 @@ on one thread of its own:
   at once until a retry.
 
 Calls waited for run before posted ones. One thread per client keeps the
-client's staging buffers single-threaded."""
+client's staging buffers single-threaded, and the thread closes the client
+when it stops (``on_exit``): after a call stuck in it returns, never under
+it."""
 
 from __future__ import annotations
 
@@ -62,9 +64,12 @@ class _Call(Generic[T]):
 class RemoteCalls:
     """See the module docs."""
 
-    def __init__(self, name: str, breaker: Breaker) -> None:
+    def __init__(
+        self, name: str, breaker: Breaker, on_exit: Callable[[], None] | None = None
+    ) -> None:
         self.name = name
         self.breaker = breaker
+        self._on_exit = on_exit
         self._cv = threading.Condition()
         self._waited: collections.deque[_Call[Any]] = collections.deque()
         self._posted: collections.deque[_Call[Any]] = collections.deque()
@@ -109,24 +114,35 @@ class RemoteCalls:
             self._cv.notify_all()
         return True
 
-    def close(self) -> bool:
-        """Stop the thread; False when a call is still in the client after
-        :data:`CLOSE_WAIT_S` (then the client must not be closed under it)."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop the thread (queued calls are dropped) and wait up to
+        ``wait_s`` for it; a thread still in a call closes its client itself
+        when the call returns."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=CLOSE_WAIT_S)
+        if not wait_s:
+            return
+        self._thread.join(timeout=wait_s)
         if self._thread.is_alive():
             logger.warning(
-                "%s: a call is still in the Mooncake client after %.0f s; "
-                "the client is left open",
+                "%s: a call is still in the Mooncake client after %.0f s; the "
+                "client closes when it returns",
                 self.name,
-                CLOSE_WAIT_S,
+                wait_s,
             )
-            return False
-        return True
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._on_exit is not None:
+                try:
+                    self._on_exit()
+                except Exception:
+                    logger.exception("%s: closing the client failed", self.name)
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not (self._waited or self._posted or self._stop):

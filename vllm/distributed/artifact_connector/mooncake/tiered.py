@@ -17,12 +17,14 @@ store, with a Mooncake Store shared by the key space's engines behind it.
   have been loaded before the engine that computed it published them), so
   a miss is a miss in both tiers. The shared tier failing raises.
 
-Every call to the shared tier runs on one thread of its own
-(``remote.py``): a pull waits at most ``shared_pull_timeout_s``, a mirror
-or the key space's terms are posted, and a tier that overran that bound
-is not called (pulls fail, mirrors are skipped) until a retry after a
-pause. A slow, down or frozen master never holds the publication thread,
-so it never holds the step loop.
+Every call to the shared tier runs on a thread of its own: transfers on a
+lane (``lanes.py``: two clients of their own; a transfer stalled in one,
+which Mooncake issue 4209 makes happen, sends the next to the other), the
+key space's terms on the main client's (``remote.py``). A pull waits at
+most ``shared_pull_timeout_s``, a mirror or the terms are posted, and a
+tier that overran that bound is not called (pulls fail, mirrors are
+skipped) until a retry after a pause. A slow, down or frozen master never
+holds the publication thread, so it never holds the step loop.
 
 The scheduler's route reader reads the local store only: by the time a
 request's acknowledgement names an object, it is local.
@@ -45,6 +47,7 @@ from vllm.distributed.artifact_connector.mooncake.key_space import (
     agree,
     max_object_nbytes,
 )
+from vllm.distributed.artifact_connector.mooncake.lanes import Lanes
 from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
 from vllm.distributed.artifact_connector.mooncake.remote import RemoteCalls
 from vllm.distributed.artifact_connector.store import (
@@ -60,14 +63,15 @@ from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.artifact import ArtifactConfig
 
 logger = init_logger(__name__)
 
 # How often the idle upkeep records the key space's terms again (a restarted
 # master forgets them, and would then take an engine that disagrees).
 TERMS_INTERVAL_S = 5.0
-# After the shared tier refused writes (full, or its master restarting), how
-# long mirrors are skipped.
+# After the shared tier refused or failed writes (full, its master restarting
+# or down), how long mirrors are skipped.
 MIRROR_BACKOFF_S = 5.0
 # How long a finishing request's acknowledgement waits for its objects'
 # mirror (a prefill engine's answer sends the decode engine to them): a
@@ -82,25 +86,33 @@ class SharedTierWriter(ObjectStoreWriter):
     def __init__(
         self,
         local: ObjectStoreWriter,
-        shared: MooncakeObjects,
+        cfg: ArtifactConfig,
         *,
-        pull_timeout_s: float,
+        max_object_nbytes: int,
         rejoin: Any = None,
         client: Any = None,
     ) -> None:
         self._local = local
-        self._shared = shared
-        self._pull_timeout_s = pull_timeout_s
-        self._remote = RemoteCalls(
-            "artifact-shared-tier",
+        self._master = master = str(cfg.mooncake_master)
+        self._pull_timeout_s = cfg.shared_pull_timeout_s
+        # Transfers go over clients of their own (lanes.py); the main client
+        # contributes this engine's memory and records the key space's terms.
+        self._lanes = Lanes(
+            master,
+            lambda: mc.connect(cfg, segment_bytes=0, buffer_bytes=0),
+            lambda c: MooncakeObjects(c, master, max_object_nbytes=max_object_nbytes),
+            cfg.shared_pull_timeout_s,
+        )
+        self._main = RemoteCalls(
+            "artifact-shared-tier-terms",
             Breaker(
-                f"the Mooncake Store (master {shared.master})",
-                pull_timeout_s,
+                f"the Mooncake Store (master {master})",
+                cfg.shared_pull_timeout_s,
                 "shared_pull_timeout_s",
             ),
+            on_exit=None if client is None else lambda: mc.release(client),
         )
         self._rejoin = rejoin  # () -> None: records the key space's terms
-        self._client = client  # released at close
         self._lock = threading.Lock()
         self._counts = {"shared_puts": 0, "shared_pulls": 0, "shared_failures": 0}
         self._next_terms = time.monotonic() + TERMS_INTERVAL_S
@@ -122,9 +134,6 @@ class SharedTierWriter(ObjectStoreWriter):
             terms = KeySpaceTerms.of(vllm_config)
             master, space = str(cfg.mooncake_master), str(cfg.key_space)
             agree(client, master, space, terms)
-            shared = MooncakeObjects(
-                client, master, max_object_nbytes=max_object_nbytes(vllm_config)
-            )
         except BaseException:
             if client is not None:
                 mc.release(client)
@@ -132,8 +141,8 @@ class SharedTierWriter(ObjectStoreWriter):
             raise
         return cls(
             local,
-            shared,
-            pull_timeout_s=cfg.shared_pull_timeout_s,
+            cfg,
+            max_object_nbytes=max_object_nbytes(vllm_config),
             rejoin=lambda: agree(client, master, space, terms),
             client=client,
         )
@@ -173,8 +182,8 @@ class SharedTierWriter(ObjectStoreWriter):
 
     def _mirror(self, keys, refs, data, offsets) -> None:
         done = threading.Event()
-        posted = time.monotonic() >= self._mirror_after and self._remote.post(
-            lambda: self._mirror_now(keys, refs, data, offsets, done)
+        posted = time.monotonic() >= self._mirror_after and self._lanes.post(
+            lambda shared: self._mirror_now(shared, keys, refs, data, offsets, done)
         )
         if not posted:  # the tier is down: waiting for earlier ones is moot
             done.set()
@@ -185,24 +194,27 @@ class SharedTierWriter(ObjectStoreWriter):
         """Wait up to :data:`MIRROR_SETTLE_S` for the mirrors posted so far."""
         self._mirrored.wait(MIRROR_SETTLE_S)
 
-    def _mirror_now(self, keys, refs, data, offsets, done) -> None:
-        """On the shared tier's thread."""
+    def _mirror_now(self, shared, keys, refs, data, offsets, done) -> None:
+        """On a lane's thread."""
         try:
-            failed = self._shared.put(keys, refs, data, offsets)
+            failed = shared.put(keys, refs, data, offsets)
         except ArtifactError as e:
-            failed = len(keys)
-            self._warn(f"mirroring {len(keys)} objects failed: {e}")
-        else:
-            if failed:
-                self._warn(
-                    f"the Mooncake Store refused {failed} of {len(keys)} "
-                    "writes (full, or its master restarting)"
-                )
-        finally:
-            done.set()
+            self._mirror_failed(len(keys), e, done)
+            return
+        done.set()
         if failed:
+            self._warn(
+                f"the Mooncake Store refused {failed} of {len(keys)} writes "
+                "(full, or its master restarting)"
+            )
             self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
         self._count(len(keys) - failed, failed)
+
+    def _mirror_failed(self, n: int, error: ArtifactError, done) -> None:
+        done.set()
+        self._warn(f"mirroring {n} objects failed: {error}")
+        self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
+        self._count(0, n)
 
     def _count(self, put: int, failed: int) -> None:
         with self._lock:
@@ -216,7 +228,7 @@ class SharedTierWriter(ObjectStoreWriter):
             logger.warning(
                 "artifact store, shared tier (master %s): %s; other engines "
                 "recompute these blocks instead of loading their KV",
-                self._shared.master,
+                self._master,
                 msg,
             )
 
@@ -240,8 +252,8 @@ class SharedTierWriter(ObjectStoreWriter):
         missing = [k for k, ref in zip(keys, local) if ref is None]
         if not missing:
             return
-        got, data = self._remote.call(
-            lambda: self._shared.fetch(missing), self._pull_timeout_s
+        got, data = self._lanes.call(
+            lambda shared: shared.fetch(missing), self._pull_timeout_s
         )
         if not got:
             return
@@ -267,10 +279,10 @@ class SharedTierWriter(ObjectStoreWriter):
         if rejoin is not None and now >= self._next_terms:
             self._next_terms = now + TERMS_INTERVAL_S
             # Skipped while the tier is down: the breaker is its backoff.
-            self._remote.post(lambda: self._rejoin_now(rejoin))
+            self._main.post(lambda: self._rejoin_now(rejoin))
 
     def _rejoin_now(self, rejoin: Any) -> None:
-        """On the shared tier's thread."""
+        """On the main client's thread."""
         try:
             rejoin()
         except ArtifactError as e:
@@ -283,13 +295,9 @@ class SharedTierWriter(ObjectStoreWriter):
 
     def close(self) -> None:
         """Close the local store; the shared objects stay (other engines use
-        them) until Mooncake evicts them or this engine's segment goes."""
+        them) until Mooncake evicts them or this engine's segment goes. A
+        client still in a call is closed by its thread when the call
+        returns, never under it."""
         self._local.close()
-        client = self._client
-        if client is not None:
-            self._client = None
-            # A call still in the client keeps it: closing it under the
-            # call would free what the call uses.
-            if self._remote.close():
-                self._shared.close()
-                mc.release(client)
+        self._lanes.close()
+        self._main.close()
