@@ -538,16 +538,12 @@ def _resolve_shm_root(cfg: ArtifactConfig) -> None:
 
 
 def _owner(path: str) -> str:
-    import pwd
+    from vllm_host_transport.safe_fs import owner_name
 
     try:
-        uid = os.stat(path, follow_symlinks=False).st_uid
+        return owner_name(os.stat(path, follow_symlinks=False).st_uid)
     except OSError:
         return "unknown"
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def _collect_abandoned_roots(default: str, fresh: str, inactive_ttl_s: float) -> None:

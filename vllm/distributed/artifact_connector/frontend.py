@@ -291,12 +291,11 @@ def remove_dead_stores(vllm_config: VllmConfig, wait_s: float = 5.0) -> None:
 
 def _remove_dead_ref_scope(scope: str | None) -> None:
     """Remove what killed engines left in the host-transport scope of
-    routed-experts references: their rings are pruned (a receive on the
-    references' edge drops the rings of dead producers), and the scope goes
-    with everything in it when no live process holds it open. A trainer
-    that still holds it keeps a dead engine's unfetched large payloads
-    (per-key segments) until it closes its own connector, which then
-    removes the scope."""
+    routed-experts references: a receive that misses removes every dead
+    producer's rings, segments and registration, whatever trainers hold the
+    scope open, and the scope goes when no live process holds it. With the
+    scope squatted, joining falls back as the engine does, which removes
+    the fallback scopes killed engines left."""
     import os
     import secrets
 
@@ -304,7 +303,7 @@ def _remove_dead_ref_scope(scope: str | None) -> None:
     from vllm_host_transport.discovery import HostTransportError, ScopeDir
     from vllm_host_transport.routed_experts import EDGE
 
-    config = HostTransportConfig(scope=scope)
+    config = HostTransportConfig(scope=scope, scope_fallback=True)
     path = os.path.join(config.shm_root, ScopeDir.dir_name(config.resolved_scope()))
     if not os.path.isdir(path):
         return

@@ -307,7 +307,9 @@ class ArtifactProm:
         self.ref_counters = {
             "published": counter(
                 p + "refs_published",
-                "Routes handed to the host transport by reference.",
+                "Routes put into the reference transport (ref_transport) by "
+                "reference; a put that lands after its request's deadline is "
+                "counted, then removed.",
             ),
             "expired": counter(
                 p + "refs_expired",
