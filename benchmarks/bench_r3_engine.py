@@ -80,6 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools" / "cpu_harness"))
 sys.path.insert(0, str(ROOT / "tools"))
 from harness_env import CACHE, apply_harness_env, harness_env, run_tmpdir  # noqa: E402
+from machine import machine_facts  # noqa: E402
 
 # Every cache and temporary file of this process under .cache/ (importing
 # torch would otherwise write to /tmp); the engine processes get the full
@@ -90,7 +91,6 @@ import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -903,21 +903,7 @@ def _summarise(runs: list[dict], args) -> dict:
 
 def driver(args) -> dict:
     t_start = time.monotonic()
-    result: dict = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        }
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    result["machine"]["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    result: dict = {"machine": machine_facts()}
     if args.make_base_venv or not BASE_PY.exists():
         make_base_venv()
     max_position = max(4096, args.long_prompt + 1024)

@@ -78,7 +78,6 @@ import contextlib
 import io
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -90,6 +89,7 @@ import urllib.request
 import uuid
 
 import numpy as np
+from machine import machine_facts
 from mooncake_master import start_master
 
 WORK = CACHE / "bench-r3-isolation"
@@ -700,21 +700,11 @@ def run(args) -> dict:
     before = {p: _listing(p) for p in ("/tmp", "/dev/shm", str(Path.home()))}
     result: dict = {
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
+            **machine_facts(),
             "git_head": _git_head(),
             "loadavg_start": os.getloadavg(),
         }
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    result["machine"]["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     model = build(CACHE / "models" / "tiny-moe")
     cfg = json.loads((model / "config.json").read_text())
     layers, top_k = cfg["num_hidden_layers"], cfg["num_experts_per_tok"]

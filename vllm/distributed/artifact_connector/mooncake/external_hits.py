@@ -7,8 +7,9 @@ KV another engine computed is only worth loading if its routes can be
 returned: otherwise the request would fail, and so would every later one on
 that prefix, since the KV pool keeps offering the same KV. Before the
 scheduler takes a connector's external hit, it asks here how many of the
-hit's leading blocks have an object in the shared tier (one batched
-existence query); the hit is cut to those, and the engine recomputes the
+hit's leading blocks have an object in the shared tier that can be read
+now (one batched existence query, then a read of a few of them, see
+``_readable``); the hit is cut to those, and the engine recomputes the
 rest, which gives their routes. KV stays authoritative: a cut only
 recomputes KV the engine could have loaded.
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.artifact_connector.breaker import Breaker
 from vllm.distributed.artifact_connector.mooncake import client as mc
+from vllm.distributed.artifact_connector.mooncake.key_space import max_object_nbytes
 from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
 from vllm.distributed.artifact_connector.mooncake.remote import RemoteCalls
 from vllm.distributed.artifact_connector.request_core import KeySpace
@@ -40,6 +42,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+
+#: Objects of a hit read back before it is taken (see ``_readable``).
+PROBES = 8
 
 
 class ExternalHits:
@@ -54,7 +60,10 @@ class ExternalHits:
         # Joins without contributing memory: the worker's client holds it.
         self._client = mc.acquire(cfg, segment_bytes=0)
         self._shared = MooncakeObjects(
-            self._client, str(cfg.mooncake_master), staging_bytes=0
+            self._client,
+            str(cfg.mooncake_master),
+            max_object_nbytes=max_object_nbytes(vllm_config),
+            staging_bytes=0,
         )
         self._timeout_s = cfg.shared_check_timeout_s
         self._remote = RemoteCalls(
@@ -81,16 +90,32 @@ class ExternalHits:
             n = len(hashes)
         keys = [self._keys.key(self.weight_version, h, bs, tail=False) for h in hashes]
         try:
-            found = self._remote.call(
-                lambda: self._shared.exists(keys), self._timeout_s
-            )
+            routed = self._remote.call(lambda: self._readable(keys), self._timeout_s)
         except ArtifactError as e:
-            found = []
+            routed = 0
             self._warn(f"the shared tier did not answer ({e})")
-        routed = next((i for i, f in enumerate(found) if not f), len(found))
         if routed == n and n * bs == num_external:
             return num_external
         return routed * bs
+
+    def _readable(self, keys: list[str]) -> int:
+        """How many leading ``keys`` have an object that can be read now
+        (on the client's thread): the existence query, then a read of up to
+        :data:`PROBES` of them spread over the run (first and last
+        included), which must all arrive verified. A connection Mooncake
+        left dead after an idle gap (its issue 4209) then costs this
+        check its deadline and the hit a recomputation, not the request
+        the worker's pull over that connection would fail."""
+        found = self._shared.exists(keys)
+        routed = next((i for i, f in enumerate(found) if not f), len(found))
+        if routed:
+            picks = sorted({round(i * (routed - 1) / max(1, PROBES - 1))
+                            for i in range(min(routed, PROBES))})  # fmt: skip
+            got, _ = self._shared.fetch([keys[i] for i in picks])
+            if len(got) < len(picks):  # gone in between: cut at the first
+                have = {r.key for r in got}
+                routed = next(i for i in picks if keys[i] not in have)
+        return routed
 
     def _warn(self, msg: str) -> None:
         now = time.monotonic()

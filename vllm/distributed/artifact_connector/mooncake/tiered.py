@@ -17,14 +17,14 @@ store, with a Mooncake Store shared by the key space's engines behind it.
   have been loaded before the engine that computed it published them), so
   a miss is a miss in both tiers. The shared tier failing raises.
 
-Every call to the shared tier runs on a thread of its own: transfers on a
-lane (``lanes.py``: two clients of their own; a transfer stalled in one,
-which Mooncake issue 4209 makes happen, sends the next to the other), the
-key space's terms on the main client's (``remote.py``). A pull waits at
-most ``shared_pull_timeout_s``, a mirror or the terms are posted, and a
-tier that overran that bound is not called (pulls fail, mirrors are
-skipped) until a retry after a pause. A slow, down or frozen master never
-holds the publication thread, so it never holds the step loop.
+Every call to the shared tier runs on the thread of this engine's client
+(``remote.py``): a pull waits at most ``shared_pull_timeout_s``, a mirror or
+the key space's terms are posted, and a tier that overran that bound is not
+called (pulls fail, mirrors are skipped) until a retry after a pause. A
+slow, down or frozen master never holds the publication thread, so it never
+holds the step loop. The client is opened with the writer and closed with
+it, by that thread once its last call returned: Mooncake's ``setup`` and
+``close`` hold the interpreter lock while they run (see the design doc).
 
 The scheduler's route reader reads the local store only: by the time a
 request's acknowledgement names an object, it is local.
@@ -47,7 +47,6 @@ from vllm.distributed.artifact_connector.mooncake.key_space import (
     agree,
     max_object_nbytes,
 )
-from vllm.distributed.artifact_connector.mooncake.lanes import Lanes
 from vllm.distributed.artifact_connector.mooncake.objects import MooncakeObjects
 from vllm.distributed.artifact_connector.mooncake.remote import RemoteCalls
 from vllm.distributed.artifact_connector.store import (
@@ -89,28 +88,25 @@ class SharedTierWriter(ObjectStoreWriter):
         cfg: ArtifactConfig,
         *,
         max_object_nbytes: int,
+        client: Any,
         rejoin: Any = None,
-        client: Any = None,
     ) -> None:
         self._local = local
+        self._client = client  # this engine's; released by its thread
         self._master = master = str(cfg.mooncake_master)
         self._pull_timeout_s = cfg.shared_pull_timeout_s
-        # Transfers go over clients of their own (lanes.py); the main client
-        # contributes this engine's memory and records the key space's terms.
-        self._lanes = Lanes(
-            master,
-            lambda: mc.connect(cfg, segment_bytes=0, buffer_bytes=0),
-            lambda c: MooncakeObjects(c, master, max_object_nbytes=max_object_nbytes),
-            cfg.shared_pull_timeout_s,
+        # The client's calls run on its own thread, which closes it.
+        self._shared = MooncakeObjects(
+            client, master, max_object_nbytes=max_object_nbytes
         )
-        self._main = RemoteCalls(
-            "artifact-shared-tier-terms",
+        self._remote = RemoteCalls(
+            "artifact-shared-tier",
             Breaker(
                 f"the Mooncake Store (master {master})",
                 cfg.shared_pull_timeout_s,
                 "shared_pull_timeout_s",
             ),
-            on_exit=None if client is None else lambda: mc.release(client),
+            on_exit=self._close_client,
         )
         self._rejoin = rejoin  # () -> None: records the key space's terms
         self._lock = threading.Lock()
@@ -182,8 +178,8 @@ class SharedTierWriter(ObjectStoreWriter):
 
     def _mirror(self, keys, refs, data, offsets) -> None:
         done = threading.Event()
-        posted = time.monotonic() >= self._mirror_after and self._lanes.post(
-            lambda shared: self._mirror_now(shared, keys, refs, data, offsets, done)
+        posted = time.monotonic() >= self._mirror_after and self._remote.post(
+            lambda: self._mirror_now(keys, refs, data, offsets, done)
         )
         if not posted:  # the tier is down: waiting for earlier ones is moot
             done.set()
@@ -194,10 +190,10 @@ class SharedTierWriter(ObjectStoreWriter):
         """Wait up to :data:`MIRROR_SETTLE_S` for the mirrors posted so far."""
         self._mirrored.wait(MIRROR_SETTLE_S)
 
-    def _mirror_now(self, shared, keys, refs, data, offsets, done) -> None:
-        """On a lane's thread."""
+    def _mirror_now(self, keys, refs, data, offsets, done) -> None:
+        """On the client's thread."""
         try:
-            failed = shared.put(keys, refs, data, offsets)
+            failed = self._shared.put(keys, refs, data, offsets)
         except ArtifactError as e:
             self._mirror_failed(len(keys), e, done)
             return
@@ -252,8 +248,8 @@ class SharedTierWriter(ObjectStoreWriter):
         missing = [k for k, ref in zip(keys, local) if ref is None]
         if not missing:
             return
-        got, data = self._lanes.call(
-            lambda shared: shared.fetch(missing), self._pull_timeout_s
+        got, data = self._remote.call(
+            lambda: self._shared.fetch(missing), self._pull_timeout_s
         )
         if not got:
             return
@@ -279,10 +275,10 @@ class SharedTierWriter(ObjectStoreWriter):
         if rejoin is not None and now >= self._next_terms:
             self._next_terms = now + TERMS_INTERVAL_S
             # Skipped while the tier is down: the breaker is its backoff.
-            self._main.post(lambda: self._rejoin_now(rejoin))
+            self._remote.post(lambda: self._rejoin_now(rejoin))
 
     def _rejoin_now(self, rejoin: Any) -> None:
-        """On the main client's thread."""
+        """On the client's thread."""
         try:
             rejoin()
         except ArtifactError as e:
@@ -299,5 +295,9 @@ class SharedTierWriter(ObjectStoreWriter):
         client still in a call is closed by its thread when the call
         returns, never under it."""
         self._local.close()
-        self._lanes.close()
-        self._main.close()
+        self._remote.close()
+
+    def _close_client(self) -> None:
+        """On the client's thread, when it stops."""
+        self._shared.close()
+        mc.release(self._client)
