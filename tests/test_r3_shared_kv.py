@@ -174,10 +174,12 @@ IDLE_GAP_S = 6.0  # Mooncake issue 4209: the first transfer after ~5 s idle
 def test_decode_engine_over_http(tiny_moe, master, tmp_path):
     """The decode engine as ``vllm serve`` (kv_consumer, its flags as a user
     passes them) behind a prefill engine, with idle gaps longer than 5 s
-    between requests (the trigger of Mooncake issue 4209 on 0.3.13.post1):
-    every OpenAI completion returns the routes of the whole request, exact;
-    its usage counts the blocks it loaded as cached, whole blocks, as far
-    as their routes reached the decode engine."""
+    between requests (the trigger of Mooncake issue 4209 on 0.3.13.post1,
+    which leaves a connection dead: Mooncake logs "no transfer progress
+    within 30s" in about half the runs): every OpenAI completion returns the
+    routes of the whole request, exact; its usage counts the blocks it
+    loaded as cached, whole blocks, as far as their routes could be read
+    (a dead connection makes the scheduler's check recompute the hit)."""
     prefill = _engine(
         tiny_moe, master, tmp_path, "kv_producer", served_model_name="tiny"
     )
