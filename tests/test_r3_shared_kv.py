@@ -177,16 +177,19 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
     between requests (the trigger of Mooncake issue 4209 on 0.3.13.post1,
     which leaves a connection dead: Mooncake logs "no transfer progress
     within 30s" in about half the runs): every OpenAI completion returns the
-    routes of the whole request, exact; its usage counts the blocks it
-    loaded as cached, whole blocks, as far as their routes could be read
-    (a dead connection makes the scheduler's check recompute the hit)."""
+    routes of the whole request, exact, or (a pull the dead connection held
+    past shared_pull_timeout_s) a typed SharedTierUnavailableError within
+    that bound, never a hang or a partial array; its usage counts the blocks
+    it loaded as cached, whole blocks, as far as their routes could be read
+    (a dead connection makes the scheduler's check recompute the hit). Most
+    prompts are loaded whole and answered exactly, typed failures are few."""
     prefill = _engine(
         tiny_moe, master, tmp_path, "kv_producer", served_model_name="tiny"
     )
     root = shm_root()
     flags = serve_flags(root, **_shared_tier(master))
     flags += ["--kv-transfer-config", json.dumps(_kv_transfer(tmp_path, "kv_consumer"))]
-    loaded = []
+    loaded, typed = [], []
     try:
         with r3_server(tiny_moe, flags, root, "test-r3-shared-kv-serve.log") as srv:
             for i in range(SERVE_PROMPTS):
@@ -199,7 +202,13 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
                     "temperature": 0.0, "return_token_ids": True,
                     "ignore_eos": True,
                 })  # fmt: skip
-                assert status == 200, (i, body)
+                if status != 200:  # Mooncake issue 4209, typed and bounded
+                    message = body["error"]["message"]
+                    assert status == 500 and (
+                        "SharedTierUnavailableError" in message
+                    ), (i, status, body)
+                    typed.append(i)
+                    continue
                 assert body["choices"][0]["prompt_token_ids"] == done.prompt_token_ids
                 cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert cached % BLOCK == 0 and cached <= _from_storage(done)
@@ -207,9 +216,14 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
                 loaded.append(cached == _from_storage(done))
     finally:
         _close(prefill)
-        print(f"decode engine over HTTP: {sum(loaded)} of {len(loaded)} loaded whole")
-    # Exact every time; the hit itself is Mooncake's to give.
-    assert sum(loaded) > len(loaded) // 2, loaded
+        print(
+            f"decode engine over HTTP: {sum(loaded)} of {SERVE_PROMPTS} loaded "
+            f"whole, {len(loaded)} exact, typed failures at prompts {typed}"
+        )
+    # Exact whenever answered; the hit itself is Mooncake's to give.
+    # Typed failures came at most 2 in 20 in every run made (9 runs).
+    assert len(typed) <= SERVE_PROMPTS // 4, typed
+    assert sum(loaded) > SERVE_PROMPTS // 2, (loaded, typed)
 
 
 def test_pool_hit_on_kv_the_other_engine_computed(pool, tiny_moe):
