@@ -47,13 +47,6 @@ class Breaker:
             )
         return None
 
-    def busy_for(self, now: float | None = None) -> float:
-        """How long the call in flight has run (0.0: none)."""
-        busy = self._busy_since
-        if not busy:
-            return 0.0
-        return (time.monotonic() if now is None else now) - busy
-
     def begin(self, now: float) -> None:
         with self._lock:
             self._busy_since = now

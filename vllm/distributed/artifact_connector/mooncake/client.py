@@ -45,39 +45,31 @@ def acquire(cfg: ArtifactConfig, *, segment_bytes: int | None = None) -> Any:
         if held is not None:
             _clients[ident] = (held[0], held[1] + 1)
             return held[0]
-        client = connect(cfg, segment_bytes=seg, buffer_bytes=cfg.mooncake_buffer_bytes)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise MooncakeUnavailableError(
+                f"Mooncake's client is missing ({e}): pip install "
+                "mooncake-transfer-engine-non-cuda"
+            ) from e
+        client: Any = MooncakeDistributedStore()
+        rc = client.setup(
+            cfg.mooncake_local_hostname,
+            "P2PHANDSHAKE",
+            seg,
+            cfg.mooncake_buffer_bytes,
+            cfg.mooncake_protocol,
+            "",
+            cfg.mooncake_master,
+        )
+        if rc != 0:
+            raise MooncakeUnavailableError(
+                f"cannot join the Mooncake Store of master {cfg.mooncake_master} "
+                f"(setup returned {rc}); is mooncake_master running there?"
+            )
         _clients[ident] = (client, 1)
         _idents[id(client)] = ident
         return client
-
-
-def connect(cfg: ArtifactConfig, *, segment_bytes: int, buffer_bytes: int) -> Any:
-    """A client of its own (not shared: the caller closes it), contributing
-    ``segment_bytes`` to the store, with a transfer buffer of
-    ``buffer_bytes`` (0 where every transfer uses registered memory)."""
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        raise MooncakeUnavailableError(
-            f"Mooncake's client is missing ({e}): pip install "
-            "mooncake-transfer-engine-non-cuda"
-        ) from e
-    client: Any = MooncakeDistributedStore()
-    rc = client.setup(
-        cfg.mooncake_local_hostname,
-        "P2PHANDSHAKE",
-        segment_bytes,
-        buffer_bytes,
-        cfg.mooncake_protocol,
-        "",
-        cfg.mooncake_master,
-    )
-    if rc != 0:
-        raise MooncakeUnavailableError(
-            f"cannot join the Mooncake Store of master {cfg.mooncake_master} "
-            f"(setup returned {rc}); is mooncake_master running there?"
-        )
-    return client
 
 
 def release(client: Any) -> None:

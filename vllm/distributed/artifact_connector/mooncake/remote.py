@@ -114,22 +114,20 @@ class RemoteCalls:
             self._cv.notify_all()
         return True
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+    def close(self) -> None:
         """Stop the thread (queued calls are dropped) and wait up to
-        ``wait_s`` for it; a thread still in a call closes its client itself
-        when the call returns."""
+        :data:`CLOSE_WAIT_S` for it; a thread still in a call closes its
+        client itself when the call returns."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        if not wait_s:
-            return
-        self._thread.join(timeout=wait_s)
+        self._thread.join(timeout=CLOSE_WAIT_S)
         if self._thread.is_alive():
             logger.warning(
                 "%s: a call is still in the Mooncake client after %.0f s; the "
                 "client closes when it returns",
                 self.name,
-                wait_s,
+                CLOSE_WAIT_S,
             )
 
     def _run(self) -> None:
