@@ -13,13 +13,13 @@ complete). A real ``mooncake_master`` on 127.0.0.1 (TCP), started here.
   plus the mirror's one batched Mooncake upsert), the fill copying prepared
   objects as the publisher's encoder does;
 * ``pull``: a second engine's ``SharedTierWriter`` (its own client and
-  local store) resolving the keys the first one published, which it lacks:
-  objects fetched in one batched read and verified, put into its local
-  store (``retain`` at an attempt's start runs the same); against
-  ``local_lookup``, the same lookup once the objects are local, and
-  ``memcpy``, one copy of the bytes; ``shared_exists``: the objects'
-  existence alone, which the scheduler's check of a KV connector's hit
-  (``ExternalHits``) runs on the engine thread.
+  local store) pulling the keys the first one published, which it lacks,
+  as before a hit on another engine's KV is taken: objects fetched in one
+  batched read on the tier's thread and verified, put into its local store
+  by the caller's (the publication) thread; against ``local_lookup``, a
+  lookup of the objects once local, and ``memcpy``, one copy of the bytes;
+  ``local_present``: what the scheduler (``ExternalHits``) reads on the
+  engine thread before it takes such a hit, the local store's index.
 
 Medians over ``--reps`` repetitions (fresh keys each time).
 
@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 import uuid
 
@@ -52,7 +53,7 @@ from mooncake_master import start_master
 from vllm.config.artifact import ArtifactConfig
 from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.tiered import SharedTierWriter
-from vllm.distributed.artifact_connector.shm import ShmStoreWriter
+from vllm.distributed.artifact_connector.shm import ShmStoreReader, ShmStoreWriter
 from vllm.distributed.artifact_connector.store import checksum
 
 OBJECT_NBYTES = 16 * 48 * 8 + 64
@@ -102,11 +103,12 @@ def writer_pair(root: str, master: str):
     out = []
     for seg in (None, 256 << 20):  # two clients: the pull crosses the transport
         client = mc.acquire(cfg, segment_bytes=seg)
-        local = ShmStoreWriter(root, uuid.uuid4().hex, capacity_bytes=2 << 30)
+        namespace = uuid.uuid4().hex
+        local = ShmStoreWriter(root, namespace, capacity_bytes=2 << 30)
         out.append(
             SharedTierWriter(local, cfg, max_object_nbytes=OBJECT_NBYTES, client=client)
         )
-    return out
+    return out, namespace  # b's
 
 
 def main() -> None:
@@ -126,7 +128,8 @@ def main() -> None:
         "object_bytes": OBJECT_NBYTES,
     }
     local = ShmStoreWriter(root, uuid.uuid4().hex, capacity_bytes=2 << 30)
-    a, b = writer_pair(root, address)
+    (a, b), b_namespace = writer_pair(root, address)
+    b_reader = ShmStoreReader(root, b_namespace)
     try:
         for name, n in (("prefill_8k", 512), ("decode_256", 16)):
             runs = []
@@ -136,12 +139,14 @@ def main() -> None:
                 keys, lengths, data, sums = objects(n, rng)
                 r["shared_put_s"] = put_s(a, keys, lengths, data, sums)
                 t = time.perf_counter()
-                assert all(b._shared.exists(keys))  # what ExternalHits asks
-                r["shared_exists_s"] = time.perf_counter() - t
-                t = time.perf_counter()
-                refs = b.lookup(keys)
+                ended = threading.Event()
+                assert not b.pull("bench", keys, ended.set)
+                assert ended.wait(30) and b.pulled() == ["bench"]
                 r["pull_s"] = time.perf_counter() - t
-                assert all(ref is not None for ref in refs), "pull lost objects"
+                t = time.perf_counter()
+                present = b_reader.num_present(keys)
+                r["local_present_s"] = time.perf_counter() - t
+                assert present == n, "pull lost objects"
                 t = time.perf_counter()
                 b.lookup(keys)
                 r["local_lookup_s"] = time.perf_counter() - t
@@ -161,6 +166,7 @@ def main() -> None:
         }
         result["counters_b"] = {"shared_pulls": b.stats().shared_pulls}
     finally:
+        b_reader.close()
         for w in (local, a, b):
             w.close()
         if os.path.isdir(root):

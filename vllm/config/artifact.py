@@ -59,9 +59,7 @@ DEFAULT_REF_TTL_S = 600.0
 DEFAULT_REF_HANDOFF_TIMEOUT_S = 5.0
 # The frontend's own deadline for a held request sums the engine's bounds.
 MAX_REF_HANDOFF_TIMEOUT_S = 30.0
-# How long the scheduler waits for the shared tier's answer on an external
-# hit (it waits in the step loop), and how long the worker's pulls may take.
-DEFAULT_SHARED_CHECK_TIMEOUT_S = 0.05
+# How long a request offered another engine's KV waits for its routes' pull.
 DEFAULT_SHARED_PULL_TIMEOUT_S = 1.0
 
 
@@ -157,23 +155,17 @@ class ArtifactConfig:
     """``host:port`` of the Mooncake master, for ``backend: mooncake`` and
     ``ref_transport: mooncake``."""
 
-    shared_check_timeout_s: float = Field(
-        default=DEFAULT_SHARED_CHECK_TIMEOUT_S, gt=0, le=1.0
-    )
-    """``backend: mooncake``: seconds the scheduler waits for the shared
-    tier to say which blocks of an external KV hit have routes. Without an
-    answer in time the hit is recomputed (exact, only slower), and while the
-    tier stays that slow it is not asked, retried after a pause of 1 s
-    doubling to 8 s. The wait is in the engine's step loop: keep it short."""
-
     shared_pull_timeout_s: float = Field(
         default=DEFAULT_SHARED_PULL_TIMEOUT_S, gt=0, le=10.0
     )
-    """``backend: mooncake``: seconds a pull of another engine's routes from
-    the shared tier may take; mirroring this engine's objects into it gets
-    as long. Past it a pull fails its request with
-    ``SharedTierUnavailableError``, the mirror is skipped (counted in
-    ``vllm:routed_experts_store_shared_failures``), and the tier is paused as above."""
+    """``backend: mooncake``: seconds a request offered KV another engine
+    computed waits, before it is scheduled, for the blocks' routes to be
+    pulled from the shared tier into this engine's store; past it the
+    blocks whose routes are not local are recomputed (exact, slower). A
+    call into the tier (a pull, a mirror of this engine's objects) that
+    takes longer pauses the tier: pulls end at once and mirrors are skipped
+    (counted in ``vllm:routed_experts_store_shared_failures``), retried
+    after 1 s, doubling to 8 s."""
 
     mooncake_protocol: str = "tcp"
     """Mooncake's transfer protocol (``tcp``, or ``rdma`` where the node has

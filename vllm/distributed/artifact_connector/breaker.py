@@ -7,8 +7,7 @@ A call that takes longer than its budget, or one still running past it,
 marks the service down: callers are told at once, without calling, until
 a retry after :data:`BASE_S`, doubling up to :data:`MAX_S` while the
 service stays slow; a call within its budget closes it again. Whoever
-makes the calls reports them (:meth:`begin`, :meth:`end`); a caller that
-gave up waiting reports it (:meth:`trip`)."""
+makes the calls reports them (:meth:`begin`, :meth:`end`)."""
 
 from __future__ import annotations
 
@@ -61,11 +60,6 @@ class Breaker:
             if ok:
                 self._pause_s = BASE_S
         return None
-
-    def trip(self, what: str) -> str:
-        """Mark the service down: ``what`` happened; returns the reason."""
-        with self._lock:
-            return self._trip(what)
 
     def _trip(self, what: str) -> str:
         if time.monotonic() < self._down_until:

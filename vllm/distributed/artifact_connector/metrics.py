@@ -65,7 +65,6 @@ KNOWN_ERRORS = (
     "ArtifactAckTimeout",
     "ArtifactReadTimeout",
     "RouteRefPublishError",
-    "SharedTierUnavailableError",
     "CoverageError",
 )
 

@@ -11,13 +11,14 @@ dataclasses of plain types, carried on ``SchedulerOutput`` and
 Scheduler -> publishing worker, per step (:class:`ArtifactSchedulerMeta`):
 attempt starts (with the prefix-hit block hashes to retain), newly known
 block hashes, finalisations (a finish, or an abort, at the executed
-boundary), discards (preemption) and releases (the scheduler has read an
-acknowledgement).
+boundary), discards (preemption), releases (the scheduler has read an
+acknowledgement) and, with ``backend: mooncake``, the objects to pull into
+the local store before a hit on KV another engine computed is taken.
 
 Worker -> scheduler (:class:`ArtifactWorkerReport`): commit progress,
 finalize acknowledgements with the ordered references of every object that
-covers the request, failures, and now and then the store's counters (for
-the metrics, see ``metrics.py``).
+covers the request, failures, the pulls that ended, and now and then the
+store's counters (for the metrics, see ``metrics.py``).
 """
 
 from __future__ import annotations
@@ -192,6 +193,17 @@ class AttemptFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class PullRoutes:
+    """A waiting request was offered KV another engine computed: copy the
+    objects of ``keys`` (those of its blocks this store lacks) from the
+    shared tier into the local store, and say when that ended
+    (:attr:`ArtifactWorkerReport.pulled`), whatever it found."""
+
+    req_id: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ArtifactSchedulerMeta:
     """Everything the scheduler tells the publishing worker in one step.
     ``weight_version``, when set, applies from this step on (before the
@@ -203,6 +215,7 @@ class ArtifactSchedulerMeta:
     finalizes: tuple[Finalize, ...] = ()
     discards: tuple[Discard, ...] = ()
     releases: tuple[Release, ...] = ()
+    pulls: tuple[PullRoutes, ...] = ()
 
     def is_empty(self) -> bool:
         return not (
@@ -211,19 +224,23 @@ class ArtifactSchedulerMeta:
             or self.finalizes
             or self.discards
             or self.releases
+            or self.pulls
         )
 
 
 @dataclass(frozen=True, slots=True)
 class ArtifactWorkerReport:
     """Everything the publishing worker reports back in one step.
-    ``stats``, at most once a second: the store's counters
-    (``ArtifactPublisher.metrics``)."""
+    ``pulled``: the requests whose :class:`PullRoutes` ended. ``stats``, at
+    most once a second: the store's counters (``ArtifactPublisher.metrics``)."""
 
     progress: tuple[CommitProgress, ...] = ()
     acks: tuple[FinalizeAck, ...] = ()
     failures: tuple[AttemptFailed, ...] = ()
     stats: dict[str, int] | None = None
+    pulled: tuple[str, ...] = ()
 
     def is_empty(self) -> bool:
-        return not (self.progress or self.acks or self.failures or self.stats)
+        return not (
+            self.progress or self.acks or self.failures or self.stats or self.pulled
+        )

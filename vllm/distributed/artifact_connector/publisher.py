@@ -31,6 +31,9 @@ published), so nothing outlives the attempt's last work item.
 A failure in the thread fails exactly the attempts of the work item it hit
 (:class:`~.protocol.AttemptFailed` with the error's type and message);
 nothing is retained for them afterwards and none of their later work runs.
+Pulls from a shared tier (:class:`~.protocol.PullRoutes`) start with the
+step's work and run on the tier's own thread; when one ends, that thread
+wakes this one, which puts what it fetched into the store and reports it.
 Whenever the queue is empty (after an item, and every ``idle_upkeep_s`` with
 nothing to do) the thread runs the store's upkeep: it prepares the next arena
 ahead of need, compacts the log, and collects stale stores when due.
@@ -65,6 +68,7 @@ from vllm.distributed.artifact_connector.protocol import (
     Finalize,
     FinalizeAck,
     ObjectRefs,
+    PullRoutes,
 )
 from vllm.distributed.artifact_connector.request_core import (
     ENVELOPE_NBYTES,
@@ -157,15 +161,26 @@ class _Object(NamedTuple):
 @dataclass
 class _Work:
     """Everything one step hands to the publication thread, in the order it
-    runs: retains, one put of all objects, acknowledgements, releases."""
+    runs: pulls, retains, one put of all objects, acknowledgements,
+    releases."""
 
+    pulls: list[PullRoutes] = field(default_factory=list)
     starts: list[_Attempt] = field(default_factory=list)
     objects: list[_Object] = field(default_factory=list)
     finalizes: list[tuple[_Attempt, Finalize]] = field(default_factory=list)
     releases: list[AttemptId] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.starts or self.objects or self.finalizes or self.releases)
+        return bool(
+            self.pulls or self.starts or self.objects or self.finalizes or self.releases
+        )
+
+
+class _Pulled:
+    """Put on the publication thread's queue when a pull ended."""
+
+
+_PULLED = _Pulled()
 
 
 class ArtifactPublisher:
@@ -208,12 +223,13 @@ class ArtifactPublisher:
         self._results: collections.deque[
             CommitProgress | FinalizeAck | AttemptFailed
         ] = collections.deque()
+        self._pulled: list[str] = []  # guarded by the condition too
         self._results_cv = threading.Condition()
         # See _engine_side.
         self._engine_lock = threading.RLock()
-        # Work items, wait_idle's markers (events) and the stop sentinel; the
-        # semaphore bounds the work items (back-pressure).
-        self._queue: queue.SimpleQueue[_Work | threading.Event | None] = (
+        # Work items, wait_idle's markers (events), pulls that ended and the
+        # stop sentinel; the semaphore bounds the work items (back-pressure).
+        self._queue: queue.SimpleQueue[_Work | threading.Event | _Pulled | None] = (
             queue.SimpleQueue()
         )
         self._free_slots = threading.BoundedSemaphore(max_queued_steps)
@@ -306,6 +322,7 @@ class ArtifactPublisher:
                 self._dirty.add(known.aid)
         for r in meta.releases:
             work.releases.append((r.req_id, r.attempt))
+        work.pulls.extend(meta.pulls)
 
     @_engine_side
     def write_step(
@@ -562,6 +579,7 @@ class ArtifactPublisher:
         with self._results_cv:
             items = list(self._results)
             self._results.clear()
+            pulled, self._pulled = self._pulled, []
         progress, acks, failures = [], [], []
         for item in items:
             if isinstance(item, FinalizeAck):
@@ -577,7 +595,9 @@ class ArtifactPublisher:
                     self._work.releases.append(aid)
             else:
                 progress.append(item)
-        return ArtifactWorkerReport(tuple(progress), tuple(acks), tuple(failures))
+        return ArtifactWorkerReport(
+            tuple(progress), tuple(acks), tuple(failures), pulled=tuple(pulled)
+        )
 
     @_engine_side
     def stats(self) -> dict[str, int]:
@@ -652,6 +672,9 @@ class ArtifactPublisher:
                 if isinstance(item, threading.Event):
                     item.set()
                     continue
+                if isinstance(item, _Pulled):
+                    self._take_pulled()
+                    continue
                 try:
                     self._process(item)
                 finally:
@@ -669,7 +692,27 @@ class ArtifactPublisher:
         except (ArtifactError, OSError) as e:
             logger.warning("artifact store upkeep failed: %s", e)
 
+    def _take_pulled(self) -> None:
+        tags = self._writer.pulled()
+        if tags:
+            with self._results_cv:
+                self._pulled.extend(tags)
+                self._results_cv.notify_all()
+
+    def _pull(self, pulls: list[PullRoutes]) -> None:
+        done = [
+            p.req_id
+            for p in pulls
+            if self._writer.pull(p.req_id, p.keys, lambda: self._queue.put(_PULLED))
+        ]
+        if done:
+            with self._results_cv:
+                self._pulled.extend(done)
+                self._results_cv.notify_all()
+
     def _process(self, work: _Work) -> None:
+        if work.pulls:
+            self._pull(work.pulls)
         for att in work.starts:
             att.prefix_keys = [
                 self._keys.key(att.prefix_version, h, self.block_size, tail=False)

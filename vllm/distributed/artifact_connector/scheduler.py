@@ -180,6 +180,8 @@ class ArtifactSchedulerConnector:
                 # one held: drain the parked one.
                 self._discard(record, parked)
                 record.parked = None
+        if self._external is not None:
+            self._out.pulls.extend(self._external.take_pulls())
         # Messages queued from now on go with the next step.
         out, self._out = self._out, Outbox()
         return out.meta()
@@ -253,12 +255,13 @@ class ArtifactSchedulerConnector:
 
     def routed_external_tokens(
         self, request: Request, num_local: int, num_external: int
-    ) -> int:
+    ) -> int | None:
         """How many of the ``num_external`` tokens a KV connector offers to
         load after ``num_local`` to take: all of them, but from a connector
-        that loads KV other engines computed only the leading blocks the
-        shared tier has routes for (``ExternalHits``); the engine recomputes
-        the rest."""
+        that loads KV other engines computed only the leading blocks whose
+        routes are in the local store, after a bounded pull from the shared
+        tier (``ExternalHits``; None: not yet, skip the request this step);
+        the engine recomputes the rest."""
         if self._external is None:
             return num_external
         return self._external.routed_tokens(request, num_local, num_external)
@@ -292,6 +295,8 @@ class ArtifactSchedulerConnector:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
+        if self._external is not None:
+            self._external.forget(req_id)
         record = self._records.get(req_id)
         if record is None:  # never scheduled
             if ended_in_engine(request) or (
@@ -435,6 +440,8 @@ class ArtifactSchedulerConnector:
         if report is not None:
             if report.stats is not None:
                 stats.worker_snapshot(report.stats)
+            if report.pulled and self._external is not None:
+                self._external.pulled(report.pulled)
             reads = []
             for ack in report.acks:
                 record = self._finishing(ack.req_id, ack.attempt)

@@ -17,6 +17,7 @@ from vllm.distributed.artifact_connector.protocol import (
     BlockHashes,
     Discard,
     Finalize,
+    PullRoutes,
     Release,
 )
 
@@ -94,6 +95,7 @@ class Outbox:
     finalizes: list[Finalize] = field(default_factory=list)
     discards: list[Discard] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    pulls: list[PullRoutes] = field(default_factory=list)
     weight_version: str | None = None
 
     def meta(self) -> ArtifactSchedulerMeta:
@@ -104,6 +106,7 @@ class Outbox:
             finalizes=tuple(self.finalizes),
             discards=tuple(self.discards),
             releases=tuple(self.releases),
+            pulls=tuple(self.pulls),
         )
 
 

@@ -237,6 +237,19 @@ class ObjectStoreWriter(ABC):
         other engines too (before a request's acknowledgement); default:
         at once, as :meth:`put_batch` makes it visible."""
 
+    def pull(self, tag: str, keys: Sequence[str], wake: Callable[[], None]) -> bool:
+        """Start copying into this store those of ``keys`` it lacks that a
+        tier behind it holds; returns False when a copy started (``wake``
+        is called from another thread when it ends, and :meth:`pulled` then
+        names ``tag``), True when it ended at once (nothing to do, or no
+        tier to ask now). Default: no tier behind the store."""
+        return True
+
+    def pulled(self) -> list[str]:
+        """The tags of the pulls that ended since the last call: what the
+        tier had of their keys is in this store now."""
+        return []
+
     @abstractmethod
     def stats(self) -> StoreStats:
         """Counters (see :class:`StoreStats`)."""

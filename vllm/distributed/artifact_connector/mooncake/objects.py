@@ -142,20 +142,6 @@ class MooncakeObjects:
         return sum(1 for rc in rcs if rc < 0)
 
     # ------------------------------------------------------------ reads
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key has an object (metadata only: about a tenth of
-        :meth:`fetch`'s time, docs/benchmarks.md). Raises
-        :class:`MooncakeUnavailableError` when the master cannot answer."""
-        if not keys:
-            return []
-        found = self._client.batch_is_exist([PREFIX + k for k in keys])
-        if any(f < 0 for f in found):
-            raise MooncakeUnavailableError(
-                f"the Mooncake Store (master {self.master}) could not say which "
-                "artifact objects it has; is mooncake_master running?"
-            )
-        return [f == 1 for f in found]
-
     def fetch(self, keys: Sequence[str]) -> tuple[list[ObjectRef], np.ndarray]:
         """The objects of ``keys`` that Mooncake has, each verified against
         its header, and their bytes back to back (in ``keys``' order).

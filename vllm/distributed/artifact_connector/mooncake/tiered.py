@@ -9,20 +9,19 @@ store, with a Mooncake Store shared by the key space's engines behind it.
   skipped mirror costs other engines their hits on these objects (their
   schedulers find no object and recompute), never this engine's own
   answers: it is counted and logged, not raised.
-* **retain**: as the local store; keys the local store lacks (KV another
-  engine computed: a shared KV pool, a prefill engine) are pulled from the
-  shared tier at once, verified, into the local store, where the
-  retention holds them for the attempt whatever Mooncake evicts later.
-* **lookup**: local; keys still missing are pulled first (their KV may
-  have been loaded before the engine that computed it published them), so
-  a miss is a miss in both tiers. The shared tier failing raises.
+* **pull**: before the scheduler takes a hit on KV another engine computed
+  (a shared KV pool, a prefill engine), it has the blocks' objects this
+  store lacks copied here from the shared tier, verified; the hit is then
+  cut to the blocks whose objects are local (``external_hits.py``), so a
+  request never depends on the shared tier after it is scheduled.
+* **retain**, **lookup**: the local store's.
 
 Every call to the shared tier runs on the thread of this engine's client
-(``remote.py``): a pull waits at most ``shared_pull_timeout_s``, a mirror or
-the key space's terms are posted, and a tier that overran that bound is not
-called (pulls fail, mirrors are skipped) until a retry after a pause. A
-slow, down or frozen master never holds the publication thread, so it never
-holds the step loop. The client is opened with the writer and closed with
+(``remote.py``), posted: nothing waits for a mirror, a pull or the key
+space's terms, and a tier whose call overran ``shared_pull_timeout_s`` is
+not called (pulls end at once, mirrors are skipped) until a retry after a
+pause. A slow, down or frozen master never holds the publication thread, so
+it never holds the step loop. The client is opened with the writer and closed with
 it, by that thread once its last call returned: Mooncake's ``setup`` and
 ``close`` hold the interpreter lock while they run (see the design doc).
 
@@ -94,7 +93,6 @@ class SharedTierWriter(ObjectStoreWriter):
         self._local = local
         self._client = client  # this engine's; released by its thread
         self._master = master = str(cfg.mooncake_master)
-        self._pull_timeout_s = cfg.shared_pull_timeout_s
         # The client's calls run on its own thread, which closes it.
         self._shared = MooncakeObjects(
             client, master, max_object_nbytes=max_object_nbytes
@@ -116,6 +114,8 @@ class SharedTierWriter(ObjectStoreWriter):
         self._mirror_after = 0.0
         self._mirrored = threading.Event()  # the last mirror ended
         self._mirrored.set()
+        # (tag, objects, bytes) the client's thread fetched for pull().
+        self._fetched: list[tuple[str, list[ObjectRef], Any]] = []
 
     @classmethod
     def open(
@@ -230,39 +230,57 @@ class SharedTierWriter(ObjectStoreWriter):
 
     # ------------------------------------------------------------ reads
     def retain(self, owner: str, keys: Iterable[str]) -> None:
-        keys = list(keys)
         self._local.retain(owner, keys)
-        try:
-            self._pull(keys)
-        except ArtifactError as e:  # the lookup at the finish tries again
-            logger.debug("artifact store: pull at retain failed: %s", e)
 
     def lookup(self, keys: Sequence[str]) -> list[ObjectRef | None]:
-        self._pull(keys)
         return self._local.lookup(keys)
 
-    def _pull(self, keys: Sequence[str]) -> None:
-        """Copy into the local store the keys it lacks that the shared tier
-        has (verified)."""
+    def pull(self, tag: str, keys: Sequence[str], wake: Any) -> bool:
         local = self._local.lookup(keys)
         missing = [k for k, ref in zip(keys, local) if ref is None]
         if not missing:
-            return
-        got, data = self._remote.call(
-            lambda: self._shared.fetch(missing), self._pull_timeout_s
-        )
-        if not got:
-            return
-        sums = np.fromiter((r.checksum for r in got), np.uint64, len(got))
+            return True
 
-        def fill(buf: np.ndarray) -> np.ndarray:
-            buf[:] = data
-            return sums
+        def fetch() -> None:
+            """On the client's thread; the pull ends whatever happens."""
+            got: list[ObjectRef] = []
+            data = None
+            try:
+                got, data = self._shared.fetch(missing)
+            except ArtifactError as e:
+                self._warn(f"pulling {len(missing)} objects failed: {e}")
+            finally:
+                with self._lock:
+                    self._fetched.append((tag, got, data))
+                wake()
 
-        lengths = np.fromiter((r.nbytes for r in got), np.int64, len(got))
-        self._local.put_batch([r.key for r in got], lengths, fill)
+        # Skipped while the tier is down or a call in it overran: the
+        # scheduler then recomputes the blocks instead of waiting.
+        return not self._remote.post(fetch)
+
+    def pulled(self) -> list[str]:
+        """Puts what the client's thread fetched into the local store (on
+        the publication thread, the local store's writer)."""
         with self._lock:
-            self._counts["shared_pulls"] += len(got)
+            fetched, self._fetched = self._fetched, []
+        for _, got, data in fetched:
+            if not got:
+                continue
+            sums = np.fromiter((r.checksum for r in got), np.uint64, len(got))
+
+            def fill(buf: np.ndarray, data=data, sums=sums) -> np.ndarray:
+                buf[:] = data
+                return sums
+
+            lengths = np.fromiter((r.nbytes for r in got), np.int64, len(got))
+            try:
+                self._local.put_batch([r.key for r in got], lengths, fill)
+            except ArtifactError as e:  # the blocks are recomputed
+                logger.warning("artifact store: storing pulled objects failed: %s", e)
+                continue
+            with self._lock:
+                self._counts["shared_pulls"] += len(got)
+        return [tag for tag, _, _ in fetched]
 
     # ------------------------------------------------------------ the rest
     def release(self, owner: str) -> int:

@@ -172,6 +172,18 @@ class ShmStoreReader(ObjectStoreReader):
         return arena
 
     # ------------------------------------------------------------ read
+    def num_present(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first on, have an object in the
+        store now (any version)."""
+        try:
+            self._refresh()
+        except OSError as e:
+            raise StoreIOError(
+                f"reading artifact store {self._namespace} failed: {e}"
+            ) from e
+        current = self._index.current
+        return next((i for i, k in enumerate(keys) if k not in current), len(keys))
+
     def read_into(
         self,
         keys: Sequence[str],
