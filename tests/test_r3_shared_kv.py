@@ -175,21 +175,20 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
     """The decode engine as ``vllm serve`` (kv_consumer, its flags as a user
     passes them) behind a prefill engine, with idle gaps longer than 5 s
     between requests (the trigger of Mooncake issue 4209 on 0.3.13.post1,
-    which leaves a connection dead: Mooncake logs "no transfer progress
-    within 30s" in about half the runs): every OpenAI completion returns the
-    routes of the whole request, exact, or (a pull the dead connection held
-    past shared_pull_timeout_s) a typed SharedTierUnavailableError within
-    that bound, never a hang or a partial array; its usage counts the blocks
-    it loaded as cached, whole blocks, as far as their routes could be read
-    (a dead connection makes the scheduler's check recompute the hit). Most
-    prompts are loaded whole and answered exactly, typed failures are few."""
+    which can leave a connection dead until Mooncake drops it at 30 s):
+    every OpenAI completion returns the routes of the whole request, exact.
+    The routes of the loaded blocks are pulled before the hit is taken; a
+    pull the dead connection holds past shared_pull_timeout_s costs that
+    prompt the recomputation of its hit, never its answer. Its usage counts
+    the blocks it loaded as cached, whole blocks, and some prompts load
+    their whole hit (the pair does share KV)."""
     prefill = _engine(
         tiny_moe, master, tmp_path, "kv_producer", served_model_name="tiny"
     )
     root = shm_root()
     flags = serve_flags(root, **_shared_tier(master))
     flags += ["--kv-transfer-config", json.dumps(_kv_transfer(tmp_path, "kv_consumer"))]
-    loaded, typed = [], []
+    loaded = []
     try:
         with r3_server(tiny_moe, flags, root, "test-r3-shared-kv-serve.log") as srv:
             for i in range(SERVE_PROMPTS):
@@ -202,13 +201,7 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
                     "temperature": 0.0, "return_token_ids": True,
                     "ignore_eos": True,
                 })  # fmt: skip
-                if status != 200:  # Mooncake issue 4209, typed and bounded
-                    message = body["error"]["message"]
-                    assert status == 500 and (
-                        "SharedTierUnavailableError" in message
-                    ), (i, status, body)
-                    typed.append(i)
-                    continue
+                assert status == 200, (i, status, body)
                 assert body["choices"][0]["prompt_token_ids"] == done.prompt_token_ids
                 cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert cached % BLOCK == 0 and cached <= _from_storage(done)
@@ -217,13 +210,11 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
     finally:
         _close(prefill)
         print(
-            f"decode engine over HTTP: {sum(loaded)} of {SERVE_PROMPTS} loaded "
-            f"whole, {len(loaded)} exact, typed failures at prompts {typed}"
+            f"decode engine over HTTP: {len(loaded)} of {SERVE_PROMPTS} exact, "
+            f"{sum(loaded)} loaded whole, recomputed: "
+            f"{[i for i, whole in enumerate(loaded) if not whole]}"
         )
-    # Exact whenever answered; the hit itself is Mooncake's to give.
-    # Typed failures came at most 2 in 20 in every run made (9 runs).
-    assert len(typed) <= SERVE_PROMPTS // 4, typed
-    assert sum(loaded) > SERVE_PROMPTS // 2, (loaded, typed)
+    assert any(loaded), "no prompt loaded the prefill engine's KV"
 
 
 def test_pool_hit_on_kv_the_other_engine_computed(pool, tiny_moe):
