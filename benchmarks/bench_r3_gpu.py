@@ -39,6 +39,13 @@ stand-ins); each round then also reports ``decode_step_ms`` (the median
 decode step) and ``host_cpu_ms_per_step`` (the process's CPU time per decode
 step: the engine core and the worker share it at TP=1).
 
+``BENCH_FINISH_STAGES=1`` (TP=1 only, the fork) logs the engine step at
+which each stage of a finishing request happens: the finish (the
+scheduler's ``on_finish``), the worker's acknowledgement arriving, the
+output emitted with its routes, and the step whose ``LLMEngine.step()``
+returned the last output; each round reports them relative to the step of
+the last finish (``finish_tail``), and the steps the engine ran after it.
+
 ``BENCH_TP=2`` runs every setting at tensor parallelism 2 (two GPUs, the
 EngineCore in its own process, no custom all-reduce kernel).
 
@@ -112,6 +119,56 @@ def _prompts(offset: int) -> list[dict]:
 
 
 _TIMED: dict[str, list[float]] = {}  # method -> [seconds, calls]
+# BENCH_FINISH_STAGES: the engine step now, and per stage {step: count}.
+_STEP = [0]
+_STAGES: dict[str, dict[int, int]] = {}
+
+
+def _log_finish_stages() -> None:
+    """Count the finish stages per engine step (see the module docs)."""
+    from vllm.distributed.artifact_connector import scheduler
+
+    cls = scheduler.ArtifactSchedulerConnector
+
+    def bump(stage: str, n: int = 1) -> None:
+        if n:
+            d = _STAGES.setdefault(stage, {})
+            d[_STEP[0]] = d.get(_STEP[0], 0) + n
+
+    on_finish, update, emit = cls.on_finish, cls.update_from_output, cls._emit
+
+    def logged_on_finish(self, request):
+        bump("finish")
+        return on_finish(self, request)
+
+    def logged_update(self, report, outputs, finish_requests):
+        if report is not None:
+            bump("ack", len(report.acks))
+        return update(self, report, outputs, finish_requests)
+
+    def logged_emit(self, *args, **kwargs):
+        bump("emit")
+        return emit(self, *args, **kwargs)
+
+    cls.on_finish = logged_on_finish  # type: ignore[method-assign]
+    cls.update_from_output = logged_update  # type: ignore[method-assign]
+    cls._emit = logged_emit  # type: ignore[method-assign]
+
+
+def _finish_tail(steps: int, last_output_step: int) -> dict | None:
+    """The stages relative to the last finish's step (0)."""
+    if "finish" not in _STAGES:
+        return None
+    last = max(_STAGES["finish"])
+    return {
+        "last_finish_step": last,
+        **{
+            stage: {str(k - last): v for k, v in sorted(d.items()) if k >= last}
+            for stage, d in _STAGES.items()
+        },
+        "last_output": last_output_step - last,
+        "steps_after_last_finish": steps - 1 - last,
+    }
 
 
 def _time_connector() -> None:
@@ -162,6 +219,7 @@ def _timed_round(engine, offset: int) -> dict:
         torch.cuda.synchronize()
     for acc in _TIMED.values():
         acc[:] = [0.0, 0]
+    _STAGES.clear()
     t0 = time.perf_counter()
     submit, ids = {}, {}
     for i, p in enumerate(_prompts(offset)):
@@ -174,13 +232,16 @@ def _timed_round(engine, offset: int) -> dict:
     steps = 0
     step_s: list[float] = []
     cpu_first = 0.0
+    last_output_step = 0
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
+        _STEP[0] = steps
         for o in engine.step():
             if o.finished:
                 rid = ids.get(o.request_id, o.request_id)
                 finish[rid] = time.perf_counter()
                 outs[rid] = o
+                last_output_step = steps
         steps += 1
         step_s.append(time.perf_counter() - ts)
         if t_first is None:
@@ -222,6 +283,7 @@ def _timed_round(engine, offset: int) -> dict:
         ),
         routed_experts_errors=errors,
         connector_s={k: [round(v[0], 4), v[1]] for k, v in _TIMED.items()} or None,
+        finish_tail=_finish_tail(steps, last_output_step),
         connector_share=(
             round(sum(v[0] for v in _TIMED.values()) / (t_end - t0), 4)
             if _TIMED
@@ -277,6 +339,10 @@ def worker(setting: str) -> dict:
         if TP > 1:
             raise ValueError("BENCH_TIME_CONNECTOR needs BENCH_TP=1 (one process)")
         _time_connector()
+    if os.environ.get("BENCH_FINISH_STAGES") == "1" and tree == "fork" and switch:
+        if TP > 1:
+            raise ValueError("BENCH_FINISH_STAGES needs BENCH_TP=1 (one process)")
+        _log_finish_stages()
     t = time.time()
     llm = LLM(**kw)
     row["init_s"] = round(time.time() - t, 1)
