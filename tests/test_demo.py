@@ -5,6 +5,7 @@ end to end (real server, openai client, summary, picture, cleanup)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,10 @@ def test_demo_prints_routes_writes_picture_and_stops_everything():
         assert title in out
     assert out.count("(tokens x layers x top_k), dtype uint8") == 2
     assert out.count("layer 1: [") == 2  # per-layer expert counts of both
+    # The completion again by reference, fetched by a process without vLLM.
+    assert "fetched in another process (imports vllm or torch: no)" in out
+    assert "equal to the inline routes: True" in out
+    assert re.search(r"by reference [\d.]+ ms \(request\) \+ [\d.]+ ms \(fetch\)", out)
     assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _our_processes() <= before, "the demo left server processes behind"
     left = left_in_cache_tmp(tmp_before)

@@ -6,14 +6,20 @@
 Builds the tiny model under ``.cache/``, starts ``vllm serve`` on 127.0.0.1 with
 routed experts enabled, sends one completion and one chat request through the
 official ``openai`` client, decodes the returned routes, prints a summary and
-writes a picture of the routing (tokens x layers) to ``.cache/demo/``. The
-server and all its children are stopped before the demo exits.
+writes a picture of the routing (tokens x layers) to ``.cache/demo/``. Then it
+asks for the completion again by reference (``routed_experts_format: "ref"``),
+fetches the routes in a separate process that imports neither vLLM nor torch
+(as a trainer would), and prints whether the two arrays are equal and how long
+each path took. The server and all its children are stopped before the demo
+exits.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -60,6 +66,46 @@ SERVE_FLAGS = [
     "--max-num-seqs", "8",
     "--enforce-eager",
 ]  # fmt: skip
+
+
+# The trainer's side of a reference: this process imports neither vLLM nor
+# torch (it says so if it did), fetches the routes and writes them to stdout
+# as .npy bytes, the fetch's time on stderr.
+FETCH_IN_ANOTHER_PROCESS = """
+import io, json, sys, time
+import numpy as np
+from vllm_host_transport.routed_experts import fetch
+ref = json.load(sys.stdin)
+t = time.perf_counter()
+routes = fetch(ref)
+took = time.perf_counter() - t
+heavy = sorted(m for m in ("vllm", "torch") if m in sys.modules)
+buf = io.BytesIO()
+np.save(buf, routes)
+sys.stdout.buffer.write(buf.getvalue())
+print(json.dumps({"fetch_s": took, "imported": heavy}), file=sys.stderr)
+"""
+
+
+def fetch_elsewhere(ref: dict) -> tuple[np.ndarray, float, list[str]]:
+    """Fetch ``ref`` in a fresh interpreter, as a trainer process would;
+    returns the routes, the fetch's seconds and the heavy modules it
+    imported (none)."""
+    import io
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", FETCH_IN_ANOTHER_PROCESS],
+        input=json.dumps(ref).encode(),
+        capture_output=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.decode()[-2000:])
+    info = json.loads(proc.stderr.decode().strip().splitlines()[-1])
+    return np.load(io.BytesIO(proc.stdout)), info["fetch_s"], info["imported"]
 
 
 def summarize(title: str, routes: np.ndarray, num_experts: int) -> str:
@@ -211,18 +257,36 @@ def main() -> int:
         took = time.monotonic() - t0
         print(f"[demo] server healthy at {srv.base_url} after {took:.1f} s")
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="EMPTY")
+        t = time.perf_counter()
         completion = client.completions.create(
             model=MODEL_NAME,
             prompt=COMPLETION_PROMPT,
             max_tokens=16,
             temperature=0.0,
         )
+        inline_s = time.perf_counter() - t
         chat = client.chat.completions.create(
             model=MODEL_NAME,
             messages=[{"role": "user", "content": CHAT_MESSAGE}],
             max_tokens=16,
             temperature=0.0,
         )
+        # The same completion by reference, fetched by another process
+        # while the server runs (its payloads go when it stops).
+        t = time.perf_counter()
+        by_ref = client.completions.create(
+            model=MODEL_NAME,
+            prompt=COMPLETION_PROMPT,
+            max_tokens=16,
+            temperature=0.0,
+            extra_body={"routed_experts_format": "ref"},
+        )
+        ref_request_s = time.perf_counter() - t
+        ref = (by_ref.choices[0].model_extra or {}).get("routed_experts_ref")
+        if ref is None:
+            print("[demo] ERROR: the by-reference response carries no reference")
+            return 1
+        fetched, fetch_s, imported = fetch_elsewhere(ref)
     results = []
     for title, text, choice, usage in (
         ("completion", COMPLETION_PROMPT, completion.choices[0], completion.usage),
@@ -250,6 +314,25 @@ def main() -> int:
                 title, text, routes, usage.prompt_tokens, usage.completion_tokens
             )
         )
+    t = time.perf_counter()
+    inline = decode_routed_experts(
+        (completion.choices[0].model_extra or {})["routed_experts"]
+    )
+    inline_s += time.perf_counter() - t
+    same = fetched.shape == inline.shape and bool(np.array_equal(fetched, inline))
+    print(
+        f"[demo] by reference: {json.dumps(ref)[:160]}...\n"
+        f"[demo] fetched in another process (imports vllm or torch: "
+        f"{'yes: ' + ', '.join(imported) if imported else 'no'}): shape "
+        f"{list(fetched.shape)}, equal to the inline routes: {same}\n"
+        f"[demo] time: inline {inline_s * 1e3:.1f} ms (request + decode; the "
+        f"server's first request, its warm-up included); by "
+        f"reference {ref_request_s * 1e3:.1f} ms (request) + "
+        f"{fetch_s * 1e3:.2f} ms (fetch)"
+    )
+    if not same or imported:
+        print("[demo] ERROR: the by-reference hand-off did not give the inline routes")
+        return 1
     picture = CACHE / "demo" / "routing.png"
     save_picture(picture, results, num_experts)
     print(
