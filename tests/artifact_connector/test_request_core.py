@@ -338,13 +338,13 @@ def test_the_route_reader_never_makes_the_engine_thread_wait(store, shm_root):
         assert held.reading.wait(30)
         # The read is stuck; the engine side goes on.
         assert results.take() == [] and results.pending == 5
-        results.wait(0.01)
+        results.wait_all(0.01)
         assert results.take() == [] and time.monotonic() - t0 < 20
         held.release.set()
         done = []
         deadline = time.monotonic() + 30
         while len(done) < 5 and time.monotonic() < deadline:
-            results.wait(0.1)
+            results.wait_all(0.1)
             done += results.take()
         assert results.pending == 0
         by_id = {res.req_id: res for res in done}
@@ -380,7 +380,7 @@ def _wait_results(results, n):
     done = []
     deadline = time.monotonic() + 30
     while len(done) < n and time.monotonic() < deadline:
-        results.wait(0.1)
+        results.wait_all(0.1)
         done += results.take()
     return done
 

@@ -80,7 +80,7 @@ def _wait(results, n, timeout=30.0):
     done = []
     deadline = time.monotonic() + timeout
     while len(done) < n and time.monotonic() < deadline:
-        results.wait(0.05)
+        results.wait_all(0.05)
         done += results.take()
     return done
 

@@ -55,13 +55,13 @@ class RouteResults:
             self._pending -= len(done)
         return done
 
-    def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for a result (for a step that has nothing
-        else to do, so that it does not spin while holding the interpreter
-        the worker threads need)."""
+    def wait_all(self, timeout: float) -> None:
+        """Wait up to ``timeout`` until every pending result is done (for a
+        step that has nothing else to do: its outputs then leave with this
+        step instead of a later one, and it does not spin while holding the
+        interpreter the worker threads need)."""
         with self._cv:
-            if not self._done and self._pending:
-                self._cv.wait(timeout)
+            self._cv.wait_for(lambda: len(self._done) >= self._pending, timeout)
 
     @property
     def pending(self) -> int:

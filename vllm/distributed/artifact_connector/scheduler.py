@@ -81,6 +81,11 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+# How long an empty step waits for the reads and hand-offs of the requests
+# it holds (the worker's empty steps wait as long for acknowledgements).
+EMPTY_STEP_WAIT_S = 0.05
+
+
 class ArtifactAckTimeout(ArtifactError):
     """The publishing worker did not acknowledge a finished request in time."""
 
@@ -520,9 +525,10 @@ class ArtifactSchedulerConnector:
             and results.pending == self._num_finishing
         ):
             # Nothing to schedule and nothing but results to wait for: wait
-            # for one instead of spinning through empty steps on the
-            # interpreter the threads need (a new request waits 2 ms at most).
-            results.wait(0.002)
+            # for them, so that the outputs leave with this step (a finishing
+            # batch's last step) instead of after more empty ones; a request
+            # arriving meanwhile waits at most EMPTY_STEP_WAIT_S.
+            results.wait_all(EMPTY_STEP_WAIT_S)
         handoffs = []
         for res in results.take():
             record = self._records.get(res.req_id)
