@@ -22,6 +22,12 @@ tokens) ends the run, and each rank's part in R3 is recorded
 holds, its capture buffer's first row, which is then the probe's last route)
 with the store root's entries.
 
+With ``by_ref``, a last round asks for the first round's prompts again by
+reference (``routed_experts_format="ref"``) and a separate trainer process
+(``fetch_refs.py``: no vLLM, no torch) fetches them while the engine runs;
+``by_ref`` records, per prompt, whether the fetched array equals the first
+round's inline one, each fetch's time and what the trainer imported.
+
 With ``eplb`` (EPLBConfig fields), expert load balancing is on with
 expert parallelism; at one GPU (TP = DP = 1, which 0.32.0's config refuses
 for EPLB) it is switched on after the config has been validated
@@ -335,6 +341,8 @@ def run(spec: dict, out_prefix: str) -> dict:
         if eplb_log is not None:
             eplb_log.append(llm.collective_rpc(_eplb_facts))
     res["rounds"] = rounds
+    if spec.get("by_ref"):
+        res["by_ref"] = _by_ref_round(llm, ps, round_ids[0], round_max[0], arrays)
     if eplb_log is not None:
         res["eplb"] = eplb_log
     if tp == 1:
@@ -370,6 +378,62 @@ def run(spec: dict, out_prefix: str) -> dict:
         pass
     res["torch"] = torch.__version__
     np.savez(out_prefix + ".npz", **arrays)
+    return res
+
+
+def _by_ref_round(llm, ps, idx, max_tokens, arrays) -> dict:
+    """The prompts of round 0 again by reference, fetched by another
+    process; compared with round 0's inline routes."""
+    import subprocess
+
+    from vllm import SamplingParams
+
+    sp = SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        routed_experts_format="ref",
+    )
+    outs = llm.generate([{"prompt_token_ids": ps[i]} for i in idx], sp, use_tqdm=False)
+    refs, errors = {}, {}
+    for i, o in zip(idx, outs):
+        c = o.outputs[0]
+        if c.routed_experts_ref is None:
+            errors[str(i)] = c.routed_experts_error
+        else:
+            refs[f"p{i}"] = c.routed_experts_ref.to_json()
+    out_npz = f"/tmp/r3-gpu-fetched-{os.getpid()}.npz"
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run(
+        [sys.executable, os.path.join(here, "fetch_refs.py"), out_npz],
+        input=json.dumps(refs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    fetched_line = [x for x in p.stdout.splitlines() if x.startswith("FETCHED ")]
+    res: dict = {
+        "errors": errors,
+        "trainer_rc": p.returncode,
+        "trainer_stderr": p.stderr[-2000:],
+        "refs": {
+            k: {f: v[f] for f in ("transport", "shape", "dtype")}
+            for k, v in refs.items()
+        },  # fmt: skip
+    }
+    if fetched_line:
+        info = json.loads(fetched_line[-1][len("FETCHED ") :])
+        res.update(info)
+        got = np.load(out_npz)
+        res["equal"] = {
+            str(i): f"p{i}" in got.files
+            and f"r0_p{i}" in arrays
+            and got[f"p{i}"].dtype == arrays[f"r0_p{i}"].dtype
+            and np.array_equal(got[f"p{i}"], arrays[f"r0_p{i}"])
+            for i in idx
+        }
+        os.unlink(out_npz)
     return res
 
 

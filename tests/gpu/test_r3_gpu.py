@@ -210,6 +210,8 @@ EPLB = {
     "communicator": "torch_gloo",
 }
 CASES["eplb"] = {"tree": "fork", "async": None, "max_batched": 4096, "eplb": EPLB}
+# Routes by reference, fetched by a trainer process without vLLM or torch.
+CASES["handoff"] = {"tree": "fork", "async": None, "max_batched": 4096, "by_ref": True}
 CASES["eplb"].update(ROUNDS3)
 CASES["eplb_async"] = dict(CASES["eplb"], eplb=dict(EPLB, use_async=True))
 CASES["eplb_graphs"] = dict(
@@ -1108,3 +1110,18 @@ if __name__ == "__main__":
             print(f"FAIL {fn.__name__}\n{traceback.format_exc()[-3000:]}", flush=True)
     print(f"{len(tests) - failed}/{len(tests)} passed", flush=True)
     sys.exit(1 if failed else 0)
+
+
+def test_routes_by_reference_fetch_equal_inline(runs):
+    """The engine hands the routes out with routed_experts_format="ref"; a
+    separate trainer process on the GPU node (no vLLM, no torch) fetches
+    them, bit for bit equal to the inline routes of the same requests."""
+    r = _need(runs, "handoff")
+    h = r.meta["by_ref"]
+    assert h["errors"] == {}, h
+    assert h["trainer_rc"] == 0, h["trainer_stderr"]
+    assert h["imported"] == [], h["imported"]
+    assert set(h["equal"]) == {str(i) for i in ROUND1}, h
+    assert all(h["equal"].values()), h["equal"]
+    assert all(v["transport"] == "host" for v in h["refs"].values())
+    _record("handoff_fetch_s", {"seconds": h["seconds"], "refs": h["refs"]})
