@@ -484,6 +484,18 @@ def test_a_squatted_scope_then_a_clean_close_while_a_trainer_holds_it(
     assert not os.path.exists(fallback)
 
 
+def _exitcode(proc, timeout_s: float) -> int | None:
+    """``proc``'s exit code once it has ended. vLLM's engine monitor reads
+    ``proc.exitcode`` on its own thread too: when its ``waitpid`` reaps the
+    process first, this thread's finds no child and sees None until the
+    monitor has stored the code, so wait for it rather than read once."""
+    deadline = time.monotonic() + timeout_s
+    proc.join(timeout_s)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc.exitcode
+
+
 def test_a_killed_engine_core_while_a_trainer_holds_the_scope(tiny_moe, tmp_path):
     """The engine core is SIGKILLed with references waiting while the
     trainer holds the scope: its next fetch in the scope (here one of the
@@ -508,8 +520,7 @@ def test_a_killed_engine_core_while_a_trainer_holds_the_scope(tiny_moe, tmp_path
             assert _payload_files(path)
             (core,) = llm.llm_engine.engine_core.resources.engine_manager.processes
             os.kill(core.pid, signal.SIGKILL)
-            core.join(30)
-            assert core.exitcode == -signal.SIGKILL
+            assert _exitcode(core, 30) == -signal.SIGKILL
             assert _payload_files(path)  # nobody removed them yet
             t0 = time.monotonic()
             assert trainer.fetch(refs[1].to_json()) == "RouteRefMissingError"
