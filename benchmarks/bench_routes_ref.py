@@ -180,7 +180,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="requests of the 8k batch")
     args = ap.parse_args()
     scope = f"bench-ref-{uuid.uuid4().hex[:8]}"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # PYTHONPATH stays (a node where the fork's packages are on it, as the GPU
+    # harness's): the consumer's answer says it imported neither vLLM nor torch.
+    env = dict(os.environ)
     env["MC_FORCE_TCP"] = "true"
     consumer = subprocess.Popen(
         [sys.executable, "-c", CONSUMER],
