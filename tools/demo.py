@@ -257,14 +257,20 @@ def main() -> int:
         took = time.monotonic() - t0
         print(f"[demo] server healthy at {srv.base_url} after {took:.1f} s")
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="EMPTY")
-        t = time.perf_counter()
-        completion = client.completions.create(
-            model=MODEL_NAME,
-            prompt=COMPLETION_PROMPT,
-            max_tokens=16,
-            temperature=0.0,
-        )
-        inline_s = time.perf_counter() - t
+
+        def complete(**extra):
+            """The demo's completion, and how long its request took."""
+            t = time.perf_counter()
+            out = client.completions.create(
+                model=MODEL_NAME,
+                prompt=COMPLETION_PROMPT,
+                max_tokens=16,
+                temperature=0.0,
+                **extra,
+            )
+            return out, time.perf_counter() - t
+
+        completion, inline_s = complete()
         chat = client.chat.completions.create(
             model=MODEL_NAME,
             messages=[{"role": "user", "content": CHAT_MESSAGE}],
@@ -273,15 +279,7 @@ def main() -> int:
         )
         # The same completion by reference, fetched by another process
         # while the server runs (its payloads go when it stops).
-        t = time.perf_counter()
-        by_ref = client.completions.create(
-            model=MODEL_NAME,
-            prompt=COMPLETION_PROMPT,
-            max_tokens=16,
-            temperature=0.0,
-            extra_body={"routed_experts_format": "ref"},
-        )
-        ref_request_s = time.perf_counter() - t
+        by_ref, ref_request_s = complete(extra_body={"routed_experts_format": "ref"})
         ref = (by_ref.choices[0].model_extra or {}).get("routed_experts_ref")
         if ref is None:
             print("[demo] ERROR: the by-reference response carries no reference")

@@ -673,7 +673,7 @@ class ArtifactPublisher:
                     item.set()
                     continue
                 if isinstance(item, _Pulled):
-                    self._take_pulled()
+                    self._report_pulled(self._writer.pulled())
                     continue
                 try:
                     self._process(item)
@@ -692,22 +692,21 @@ class ArtifactPublisher:
         except (ArtifactError, OSError) as e:
             logger.warning("artifact store upkeep failed: %s", e)
 
-    def _take_pulled(self) -> None:
-        tags = self._writer.pulled()
-        if tags:
-            with self._results_cv:
-                self._pulled.extend(tags)
-                self._results_cv.notify_all()
-
     def _pull(self, pulls: list[PullRoutes]) -> None:
-        done = [
-            p.req_id
-            for p in pulls
-            if self._writer.pull(p.req_id, p.keys, lambda: self._queue.put(_PULLED))
-        ]
-        if done:
+        self._report_pulled(
+            [
+                p.req_id
+                for p in pulls
+                if self._writer.pull(p.req_id, p.keys, lambda: self._queue.put(_PULLED))
+            ]
+        )
+
+    def _report_pulled(self, req_ids: list[str]) -> None:
+        """Pulls that ended (at once, or :meth:`ObjectStoreWriter.pulled`'s
+        after a wake-up), for :meth:`report`."""
+        if req_ids:
             with self._results_cv:
-                self._pulled.extend(done)
+                self._pulled.extend(req_ids)
                 self._results_cv.notify_all()
 
     def _process(self, work: _Work) -> None:

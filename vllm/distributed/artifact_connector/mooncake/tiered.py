@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -235,7 +235,7 @@ class SharedTierWriter(ObjectStoreWriter):
     def lookup(self, keys: Sequence[str]) -> list[ObjectRef | None]:
         return self._local.lookup(keys)
 
-    def pull(self, tag: str, keys: Sequence[str], wake: Any) -> bool:
+    def pull(self, tag: str, keys: Sequence[str], wake: Callable[[], None]) -> bool:
         local = self._local.lookup(keys)
         missing = [k for k, ref in zip(keys, local) if ref is None]
         if not missing:
