@@ -24,7 +24,6 @@ from vllm.distributed.artifact_connector.protocol import (
     AttemptFailed,
     AttemptStart,
     BlockHashes,
-    CommitProgress,
     Discard,
     Finalize,
     FinalizeAck,
@@ -172,7 +171,6 @@ def _messages():
             releases=(Release("r4", 2),),
         ),
         ArtifactWorkerReport(
-            progress=(CommitProgress("req-1", 0, 64),),
             acks=(
                 FinalizeAck(
                     "req-1",

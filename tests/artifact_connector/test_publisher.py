@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from vllm.distributed.artifact_connector import publisher
 from vllm.distributed.artifact_connector.buffer import RowSlab
 from vllm.distributed.artifact_connector.protocol import (
     Abort,
@@ -21,6 +22,7 @@ from vllm.distributed.artifact_connector.protocol import (
     Release,
 )
 from vllm.distributed.artifact_connector.publisher import (
+    GATHER_STEPS,
     ArtifactPublisher,
     PublisherClosedError,
 )
@@ -63,9 +65,10 @@ class Harness:
         self.failures: dict = {}
         self.handles: dict = {}
 
-    def step(self, meta=None, rows=()):
+    def step(self, meta=None, rows=(), gather=False):
         """One engine step: messages, then rows ``(req, attempt, start,
-        array)``, then flush; waits for the thread and collects reports."""
+        array)``, then flush (``gather`` as the engine's step passes it);
+        waits for the thread and collects reports."""
         if meta is not None:
             self.pub.apply(meta)
             # As the worker does when it prepares a step: the handle of each
@@ -81,7 +84,7 @@ class Harness:
                 [len(x) for *_, x in rows],
                 np.concatenate([x for *_, x in rows]),
             )
-        self.pub.flush()
+        self.pub.flush(gather=gather)
         self.pub.wait_idle(10)
         rep = self.pub.report()
         for ack in rep.acks:
@@ -134,6 +137,49 @@ def test_one_put_per_step_across_many_requests(h, monkeypatch):
     assert calls == [16]  # finishing on a block boundary publishes nothing
     for r in reqs:
         np.testing.assert_array_equal(h.read(r), truth[r][:-3])
+
+
+@pytest.mark.parametrize("bound", ["steps", "objects"])
+def test_full_blocks_gather_over_steps_until_a_bound_or_a_finalize(
+    h, monkeypatch, bound
+):
+    """The engine's step flushes with ``gather``: full blocks of running
+    requests wait for the next steps' until GATHER_STEPS steps (or
+    GATHER_OBJECTS objects) gathered; a step with a start or a finalize
+    hands everything over at once, and the acknowledgement covers the
+    gathered blocks."""
+    calls = []
+    real = h.writer.put_batch
+    monkeypatch.setattr(
+        h.writer, "put_batch", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k)
+    )
+    if bound == "objects":
+        monkeypatch.setattr(publisher, "GATHER_OBJECTS", 4)  # two steps' blocks
+    reqs = ["r0", "r1"]
+    steps = GATHER_STEPS + 2
+    truth = {r: routes(i, B * steps) for i, r in enumerate(reqs)}
+    hashes = tuple(
+        BlockHashes(r, 0, 0, tuple(block_hash(r, b) for b in range(steps)))
+        for r in reqs
+    )
+
+    def rows_of(step):
+        return [(r, 0, B * step, truth[r][B * step : B * (step + 1)]) for r in reqs]
+
+    starts = tuple(AttemptStart(r, 0, 0) for r in reqs)
+    h.step(ArtifactSchedulerMeta(starts=starts, hashes=hashes), rows_of(0), True)
+    assert calls == [2]  # a start is handed over at once, with its blocks
+    handed_at = GATHER_STEPS if bound == "steps" else 2
+    for step in range(1, steps - 1):
+        h.step(rows=rows_of(step), gather=True)
+        assert calls == [2] + [2 * handed_at] * (step // handed_at), step
+    # The finalize's step hands over what waits, with its own last block.
+    h.step(rows=rows_of(steps - 1), gather=True)
+    fins = tuple(Finalize(r, 0, B * steps, None) for r in reqs)
+    h.step(ArtifactSchedulerMeta(finalizes=fins), gather=True)
+    assert sum(calls) == 2 * steps
+    for r in reqs:
+        np.testing.assert_array_equal(h.read(r), truth[r])
 
 
 def test_decode_steps_placed_in_bulk_equal_the_truth(h, monkeypatch):

@@ -11,7 +11,7 @@ Worker side (global rank 0, one per engine):
   row slab (``buffer.RowSlab``), by logical token position.
 * ``ArtifactPublisher.flush`` - hand what the step made publishable to the
   publication thread (one ``put_batch`` per step, off the step loop).
-* ``ArtifactPublisher.report`` - acknowledgements, progress and failures.
+* ``ArtifactPublisher.report`` - acknowledgements and failures.
 * ``ArtifactPublisher.set_weight_version`` - rows from now on belong to new
   weights (keys carry the version per block).
 

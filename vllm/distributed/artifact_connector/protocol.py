@@ -15,8 +15,8 @@ boundary), discards (preemption), releases (the scheduler has read an
 acknowledgement) and, with ``backend: mooncake``, the objects to pull into
 the local store before a hit on KV another engine computed is taken.
 
-Worker -> scheduler (:class:`ArtifactWorkerReport`): commit progress,
-finalize acknowledgements with the ordered references of every object that
+Worker -> scheduler (:class:`ArtifactWorkerReport`): finalize
+acknowledgements with the ordered references of every object that
 covers the request, failures, the pulls that ended, and now and then the
 store's counters (for the metrics, see ``metrics.py``).
 """
@@ -106,15 +106,6 @@ class Release:
 
     req_id: str
     attempt: int
-
-
-@dataclass(frozen=True, slots=True)
-class CommitProgress:
-    """Rows ``[0, committed_rows)`` of the attempt are in the store."""
-
-    req_id: str
-    attempt: int
-    committed_rows: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,13 +225,10 @@ class ArtifactWorkerReport:
     ``pulled``: the requests whose :class:`PullRoutes` ended. ``stats``, at
     most once a second: the store's counters (``ArtifactPublisher.metrics``)."""
 
-    progress: tuple[CommitProgress, ...] = ()
     acks: tuple[FinalizeAck, ...] = ()
     failures: tuple[AttemptFailed, ...] = ()
     stats: dict[str, int] | None = None
     pulled: tuple[str, ...] = ()
 
     def is_empty(self) -> bool:
-        return not (
-            self.progress or self.acks or self.failures or self.stats or self.pulled
-        )
+        return not (self.acks or self.failures or self.stats or self.pulled)

@@ -9,11 +9,14 @@ messages (:meth:`~ArtifactPublisher.apply`) and each step's captured rows
 step made publishable (full blocks whose hash is known, finalisations whose
 rows have all arrived) into one work item and hands it to the publication
 thread through a bounded queue; it returns at once unless the queue is full
-(back-pressure). The thread publishes a work item with one ``put_batch``
-(one arena write, one index append), then produces the acknowledgements;
-items run in order, so a request's blocks are always in the store before
-its acknowledgement. The engine's thread collects acknowledgements,
-progress and failures with :meth:`~ArtifactPublisher.report`.
+(back-pressure). A step whose work is only full blocks of running requests
+may gather them with the next steps' (at most ``GATHER_STEPS`` steps,
+``GATHER_OBJECTS`` objects): nothing waits for those, and a work item's
+fixed cost then pays for more objects. The thread publishes a work item
+with one ``put_batch`` (one arena write, one index append), then produces
+the acknowledgements; items run in order, so a request's blocks are always
+in the store before its acknowledgement. The engine's thread collects
+acknowledgements and failures with :meth:`~ArtifactPublisher.report`.
 
 Retention: an attempt retains the objects of its prefix hit when it starts
 (keys a sibling has not published yet included) and everything it
@@ -57,6 +60,7 @@ from vllm.distributed.artifact_connector.buffer import (
     PAGE_WAIT_S,
     AttemptRows,
     RowSlab,
+    as_row_cells,
 )
 from vllm.distributed.artifact_connector.protocol import (
     Abort,
@@ -64,7 +68,6 @@ from vllm.distributed.artifact_connector.protocol import (
     ArtifactWorkerReport,
     AttemptFailed,
     AttemptId,
-    CommitProgress,
     Finalize,
     FinalizeAck,
     ObjectRefs,
@@ -89,6 +92,13 @@ logger = init_logger(__name__)
 
 # Weight versions remembered to name a prefix miss's cause (a mismatch).
 MAX_VERSIONS_SEEN = 16
+# Full blocks of running requests wait for the next steps' at most this many
+# steps, or until this many gathered (see the module docs): at 256 decoding
+# requests, 16 blocks a step, the publication thread's CPU per step falls
+# from 0.61-0.73 to 0.38-0.39 ms (benchmarks/bench_artifact_store.py
+# decode_step; docs/benchmarks.md, "Host CPU per step at batch 256").
+GATHER_STEPS = 4
+GATHER_OBJECTS = 64
 
 
 class WeightVersionMismatchError(ArtifactError):
@@ -215,14 +225,15 @@ class ArtifactPublisher:
         self._current: dict[str, int] = {}
         self._dirty: set[AttemptId] = set()
         self._work = _Work()
+        self._gathered = 0  # steps whose full blocks wait in _work
         # Finalizes handed to the thread (engine side) and answered by it
         # (thread): an empty step waits until they are equal.
         self._finalizes_handed = 0
         self._finalizes_answered = 0
         # Produced by both threads, read by report(), guarded by the condition.
-        self._results: collections.deque[
-            CommitProgress | FinalizeAck | AttemptFailed
-        ] = collections.deque()
+        self._results: collections.deque[FinalizeAck | AttemptFailed] = (
+            collections.deque()
+        )
         self._pulled: list[str] = []  # guarded by the condition too
         self._results_cv = threading.Condition()
         # See _engine_side.
@@ -384,8 +395,10 @@ class ArtifactPublisher:
         if fast.any():
             fs = slot[fast]
             dst = cur.tail_page[fs] * bs + held[fast] - (cur.npages[fs] - 1) * bs
-            flat = self.slab.pages.reshape(-1, *spec.row_shape)
-            flat[dst] = rows[first[fast]]
+            # Decode rows are usually all on the fast path, in order.
+            self.slab.row_cells[dst] = as_row_cells(
+                rows if fs.shape[0] == rows.shape[0] else rows[first[fast]]
+            )
             cur.end[fs] += 1
             cur.last_rows_end[fs] = cur.last_sched_end[fs] = cur.end[fs]
             wake = fs[(cur.end[fs] - cur.committed[fs] >= bs) | cur.ending[fs]]
@@ -440,8 +453,10 @@ class ArtifactPublisher:
                 self._dirty.add(att.aid)
 
     @_engine_side
-    def flush(self) -> None:
-        """Hand what this step made publishable to the publication thread."""
+    def flush(self, *, gather: bool = False) -> None:
+        """Hand what this step made publishable to the publication thread;
+        with ``gather``, full blocks alone may wait for the next steps' (see
+        the module docs). An engine with nothing to run flushes without."""
         self._check_thread()
         work = self._work
         dirty, self._dirty = self._dirty, set()
@@ -455,19 +470,27 @@ class ArtifactPublisher:
                     self._dirty.add(aid)
             except ArtifactError as e:
                 self._fail_here(aid, e)
-        if work:
-            self._work = _Work()
-            # How far behind the thread is (the metrics' queue depth).
-            depth = self._items_put - self._items_done
-            if depth > self._queue_peak:
-                self._queue_peak = depth
-            # Back-pressure when the thread is behind, but never wait on a
-            # dead thread.
-            while not self._free_slots.acquire(timeout=1.0):
-                self._check_thread()
-            self._finalizes_handed += len(work.finalizes)
-            self._queue.put(work)
-            self._items_put += 1
+        if not work:
+            return
+        if gather and not (
+            work.pulls or work.starts or work.finalizes or work.releases
+        ):
+            self._gathered += 1
+            if self._gathered < GATHER_STEPS and len(work.objects) < GATHER_OBJECTS:
+                return
+        self._gathered = 0
+        self._work = _Work()
+        # How far behind the thread is (the metrics' queue depth).
+        depth = self._items_put - self._items_done
+        if depth > self._queue_peak:
+            self._queue_peak = depth
+        # Back-pressure when the thread is behind, but never wait on a
+        # dead thread.
+        while not self._free_slots.acquire(timeout=1.0):
+            self._check_thread()
+        self._finalizes_handed += len(work.finalizes)
+        self._queue.put(work)
+        self._items_put += 1
 
     def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> bool:
         """Move what ``aid`` made publishable into ``work``; returns whether
@@ -545,14 +568,9 @@ class ArtifactPublisher:
         self._post(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
         self._work.releases.append(aid)
 
-    def _post(self, item: CommitProgress | FinalizeAck | AttemptFailed) -> None:
-        self._post_many([item])
-
-    def _post_many(
-        self, items: list[CommitProgress | FinalizeAck | AttemptFailed]
-    ) -> None:
+    def _post(self, item: FinalizeAck | AttemptFailed) -> None:
         with self._results_cv:
-            self._results.extend(items)
+            self._results.append(item)
             self._results_cv.notify_all()
 
     def wait_for_answers(self, timeout_s: float) -> bool:
@@ -575,16 +593,16 @@ class ArtifactPublisher:
 
     @_engine_side
     def report(self) -> ArtifactWorkerReport:
-        """Acknowledgements, progress and failures produced so far."""
+        """Acknowledgements and failures produced so far."""
         with self._results_cv:
             items = list(self._results)
             self._results.clear()
             pulled, self._pulled = self._pulled, []
-        progress, acks, failures = [], [], []
+        acks, failures = [], []
         for item in items:
             if isinstance(item, FinalizeAck):
                 acks.append(item)
-            elif isinstance(item, AttemptFailed):
+            else:
                 failures.append(item)
                 # Failed in the thread: stop taking this attempt's rows.
                 aid = (item.req_id, item.attempt)
@@ -593,11 +611,7 @@ class ArtifactPublisher:
                     att.rows.drop()
                     self._remove(att)
                     self._work.releases.append(aid)
-            else:
-                progress.append(item)
-        return ArtifactWorkerReport(
-            tuple(progress), tuple(acks), tuple(failures), pulled=tuple(pulled)
-        )
+        return ArtifactWorkerReport(tuple(acks), tuple(failures), pulled=tuple(pulled))
 
     @_engine_side
     def stats(self) -> dict[str, int]:
@@ -771,13 +785,10 @@ class ArtifactPublisher:
             return
         finally:
             self.slab.free_later(pages.tolist())
-        ends: dict[AttemptId, int] = {}
         for o, ref in zip(objects, result.refs):
             o.att.own_refs.append(
                 (ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
             )
-            ends[o.att.aid] = o.start + o.num_rows
-        self._post_many([CommitProgress(a[0], a[1], end) for a, end in ends.items()])
 
     def _acknowledge(self, att: _Attempt, fin: Finalize) -> FinalizeAck:
         version, prefix_hashes = att.prefix_version, att.prefix_hashes

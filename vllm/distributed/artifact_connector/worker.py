@@ -31,7 +31,10 @@ from vllm.distributed.artifact_connector.protocol import (
     ArtifactSchedulerMeta,
     ArtifactWorkerReport,
 )
-from vllm.distributed.artifact_connector.publisher import ArtifactPublisher
+from vllm.distributed.artifact_connector.publisher import (
+    GATHER_OBJECTS,
+    ArtifactPublisher,
+)
 from vllm.distributed.artifact_connector.request_core import KeySpace
 from vllm.distributed.artifact_connector.shm import ShmStoreWriter
 from vllm.distributed.artifact_connector.store import ObjectStoreWriter
@@ -177,6 +180,7 @@ class ArtifactWorkerConnector:
                 steps_in_flight=vllm_config.max_concurrent_batches
                 + MAX_QUEUED_STEPS
                 + 1,
+                gathered_pages=GATHER_OBJECTS,
             )
             publisher = ArtifactPublisher(
                 writer,
@@ -252,7 +256,7 @@ class ArtifactWorkerConnector:
             scheduled=scheduled,
             weight_version=step.weight_version,
         )
-        publisher.flush()
+        publisher.flush(gather=True)
         return self._take_report()
 
     def no_forward(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
