@@ -30,14 +30,18 @@ all its processes.
 
 ``BENCH_TIME_CONNECTOR=1`` (TP=1 only: the scheduler and the worker then
 share the benchmark's process) times the connector's methods on the engine's
-threads with ``time.perf_counter`` and reports, per timed round, their total
-against the round's wall time (``connector_s``).
+threads with ``time.perf_counter`` and the calling thread's CPU clock and
+reports, per timed round, each method's wall time, calls and CPU time
+(``connector_s``) and their wall total against the round's
+(``connector_share``).
 
 ``BENCH_GRAPHS=1`` decodes with full CUDA graphs (``compilation_config=
 {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}``, the harness's capturable
 stand-ins); each round then also reports ``decode_step_ms`` (the median
 decode step) and ``host_cpu_ms_per_step`` (the process's CPU time per decode
-step: the engine core and the worker share it at TP=1).
+step: the engine core and the worker share it at TP=1), split by thread in
+``host_cpu_ms_per_step_by_thread`` (each Python thread by name, ``native``
+for the threads Python does not know).
 
 ``BENCH_FINISH_STAGES=1`` (TP=1 only, the fork) logs the engine step at
 which each stage of a finishing request happens: the finish (the
@@ -62,6 +66,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -187,17 +192,44 @@ def _time_connector() -> None:
     for cls, names in methods.items():
         for name in names:
             orig = getattr(cls, name)
-            acc = _TIMED.setdefault(f"{cls.__name__}.{name}", [0.0, 0])
+            acc = _TIMED.setdefault(f"{cls.__name__}.{name}", [0.0, 0, 0.0])
 
             def timed(*args, _orig=orig, _acc=acc, **kwargs):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 try:
                     return _orig(*args, **kwargs)
                 finally:
                     _acc[0] += time.perf_counter() - t
                     _acc[1] += 1
+                    _acc[2] += time.thread_time() - c
 
             setattr(cls, name, timed)
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each Python thread so far, by name (threads of one
+    name add up), and of the whole process under ``"process"``."""
+    out: dict[str, float] = {"process": time.process_time()}
+    for t in threading.enumerate():
+        if t.ident is None:
+            continue
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except OSError:  # it ended meanwhile
+            continue
+        out[t.name] = out.get(t.name, 0.0) + cpu
+    return out
+
+
+def _cpu_by_thread(first: dict[str, float], last: dict[str, float], steps: int):
+    """ms per step of each thread between two :func:`_thread_cpu` (a thread
+    started meanwhile counts from 0); ``"native"``: the process's threads
+    Python does not know (CUDA's, the compiled ops' pools)."""
+    per = {
+        name: 1e3 * (cpu - first.get(name, 0.0)) / steps for name, cpu in last.items()
+    }
+    per["native"] = per["process"] - sum(v for k, v in per.items() if k != "process")
+    return {k: round(v, 3) for k, v in sorted(per.items()) if abs(v) >= 0.001}
 
 
 def _timed_round(engine, offset: int) -> dict:
@@ -218,7 +250,7 @@ def _timed_round(engine, offset: int) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for acc in _TIMED.values():
-        acc[:] = [0.0, 0]
+        acc[:] = [0.0, 0, 0.0]
     _STAGES.clear()
     t0 = time.perf_counter()
     submit, ids = {}, {}
@@ -232,6 +264,7 @@ def _timed_round(engine, offset: int) -> dict:
     steps = 0
     step_s: list[float] = []
     cpu_first = 0.0
+    threads_first: dict[str, float] = {}
     last_output_step = 0
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
@@ -247,8 +280,10 @@ def _timed_round(engine, offset: int) -> dict:
         if t_first is None:
             t_first = time.perf_counter()
             cpu_first = time.process_time()
+            threads_first = _thread_cpu()
     t_end = time.perf_counter()
     cpu_decode = time.process_time() - cpu_first
+    threads_last = _thread_cpu()
     decode_steps = sorted(step_s[1:]) or [0.0]
     new = sum(len(o.outputs[0].token_ids) for o in outs.values())
     lat = [finish[r] - submit[r] for r in finish]
@@ -274,6 +309,9 @@ def _timed_round(engine, offset: int) -> dict:
         # the GPU).
         decode_step_ms=round(1e3 * decode_steps[len(decode_steps) // 2], 3),
         host_cpu_ms_per_step=round(1e3 * cpu_decode / max(1, steps - 1), 3),
+        host_cpu_ms_per_step_by_thread=_cpu_by_thread(
+            threads_first, threads_last, max(1, steps - 1)
+        ),
         mean_latency_s=round(sum(lat) / len(lat), 3),
         max_latency_s=round(max(lat), 3),
         r3_shape=None if re is None else list(re.shape),
@@ -282,7 +320,11 @@ def _timed_round(engine, offset: int) -> dict:
             getattr(o.outputs[0], "routed_experts", None) is None for o in outs.values()
         ),
         routed_experts_errors=errors,
-        connector_s={k: [round(v[0], 4), v[1]] for k, v in _TIMED.items()} or None,
+        # method: [wall s, calls, CPU s of the calling thread]
+        connector_s={
+            k: [round(v[0], 4), v[1], round(v[2], 4)] for k, v in _TIMED.items()
+        }
+        or None,
         finish_tail=_finish_tail(steps, last_output_step),
         connector_share=(
             round(sum(v[0] for v in _TIMED.values()) / (t_end - t0), 4)
@@ -459,6 +501,17 @@ def driver(order: list[str]) -> dict:
             "mean_latency_s": [r["mean_latency_s"] for r in ok],
             "decode_step_ms": [r.get("decode_step_ms") for r in ok],
             "host_cpu_ms_per_step": [r.get("host_cpu_ms_per_step") for r in ok],
+            "host_cpu_ms_per_step_mean": _mean(
+                [r.get("host_cpu_ms_per_step") or 0.0 for r in ok]
+            ),
+            "host_cpu_ms_per_step_by_thread_mean": {
+                name: _mean(
+                    [r["host_cpu_ms_per_step_by_thread"].get(name, 0.0) for r in ok]
+                )
+                for name in sorted(
+                    {n for r in ok for n in r.get("host_cpu_ms_per_step_by_thread", {})}
+                )
+            },
             "tok_per_s_mean": _mean([r["tok_per_s"] for r in ok]),
             "decode_tok_per_s_mean": _mean([r["decode_tok_per_s"] for r in ok]),
             "mean_latency_s_mean": _mean([r["mean_latency_s"] for r in ok]),
