@@ -51,6 +51,7 @@ import numpy as np
 from mooncake_master import start_master
 
 from vllm.config.artifact import ArtifactConfig
+from vllm.config.artifact_transfer import SHARED_SECRET_ENV
 from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.tiered import SharedTierWriter
 from vllm.distributed.artifact_connector.shm import ShmStoreReader, ShmStoreWriter
@@ -100,6 +101,8 @@ def writer_pair(root: str, master: str):
         mooncake_buffer_bytes=64 << 20,
         shared_pull_timeout_s=10.0,  # time the pulls, never their deadline
     )
+    # The key space's deployment secret (both writers are given it).
+    os.environ.setdefault(SHARED_SECRET_ENV, "the benchmark's key space secret")
     out = []
     for seg in (None, 256 << 20):  # two clients: the pull crosses the transport
         client = mc.acquire(cfg, segment_bytes=seg)

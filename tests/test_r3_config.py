@@ -39,7 +39,8 @@ from vllm.config.artifact import (
     routed_experts_row_spec,
     verify_artifact_config,
 )
-from vllm.config.artifact_transfer import loads_shared_kv
+from vllm.config.artifact_transfer import SHARED_SECRET_ENV, loads_shared_kv
+from vllm.config.artifact_transfer import shared_secret as read_shared_secret
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -792,8 +793,16 @@ def test_rejects_shared_kv_without_the_shared_store(tiny_moe):
     assert "ExampleConnector loads KV other engines computed" in str(exc.value)
 
 
+@pytest.fixture
+def shared_secret(monkeypatch):
+    """The deployment secret ``backend: mooncake`` needs, in its variable."""
+    monkeypatch.setenv(SHARED_SECRET_ENV, "a secret of the config tests")
+
+
 @pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])
-def test_accepts_shared_kv_with_the_shared_store(tiny_moe, role, monkeypatch):
+def test_accepts_shared_kv_with_the_shared_store(
+    tiny_moe, role, monkeypatch, shared_secret
+):
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     artifact = {"backend": "mooncake", "key_space": "k", "mooncake_master": "h:1"}
     cfg = _build_r3(
@@ -804,7 +813,9 @@ def test_accepts_shared_kv_with_the_shared_store(tiny_moe, role, monkeypatch):
     assert loads_shared_kv(cfg.kv_transfer_config)  # its hits are cut
 
 
-def test_serve_flags_take_the_shared_store_and_shared_kv(parser, tiny_moe):
+def test_serve_flags_take_the_shared_store_and_shared_kv(
+    parser, tiny_moe, shared_secret
+):
     """What a `vllm serve` of a prefill/decode pair passes, parsed as the CLI
     parses it."""
     cfg = _from_cli(
@@ -834,13 +845,68 @@ def test_rejects_the_shared_store_without_a_key_space(tiny_moe):
         )
 
 
-def test_rejects_a_shared_key_space_with_random_block_hashes(tiny_moe, monkeypatch):
+def test_rejects_a_shared_key_space_with_random_block_hashes(
+    tiny_moe, monkeypatch, shared_secret
+):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     artifact = {"backend": "mooncake", "key_space": "k", "mooncake_master": "h:1"}
     with _rejects("set PYTHONHASHSEED to the same value on every engine"):
         _build_r3(tiny_moe, prefix_caching_hash_algo="xxhash", artifact_config=artifact)
     # sha256's seed is fixed unless PYTHONHASHSEED sets it: accepted.
     _build_r3(tiny_moe, prefix_caching_hash_algo="sha256", artifact_config=artifact)
+
+
+SECRET_FIX = """set --artifact-config '{"shared_secret_file": "/path/to/secret", """
+
+
+def _secret_file(tmp_path, content: bytes, mode: int = 0o600) -> Path:
+    path = tmp_path / "secret"
+    path.write_bytes(content)
+    path.chmod(mode)
+    return path
+
+
+def _shared(**extra) -> dict:
+    return {"backend": "mooncake", "key_space": "k", "mooncake_master": "h:1", **extra}
+
+
+def test_rejects_the_shared_store_without_a_secret(tiny_moe, monkeypatch):
+    monkeypatch.delenv(SHARED_SECRET_ENV, raising=False)
+    with _rejects(SECRET_FIX) as exc:
+        _build_r3(tiny_moe, artifact_config=_shared())
+    assert "needs a deployment secret to authenticate shared routes" in str(exc.value)
+
+
+def test_takes_the_secret_from_a_private_file(tiny_moe, tmp_path, monkeypatch):
+    monkeypatch.delenv(SHARED_SECRET_ENV, raising=False)
+    path = _secret_file(tmp_path, b"0123456789abcdef0123\n")
+    cfg = _build_r3(tiny_moe, artifact_config=_shared(shared_secret_file=str(path)))
+    # The trailing newline is not part of the secret.
+    assert read_shared_secret(cfg.artifact_config) == b"0123456789abcdef0123"
+
+
+@pytest.mark.parametrize(
+    "case, fix",
+    [
+        ("open to others", "chmod 600 it"),
+        ("a symlink", "a symlink is refused"),
+        ("missing", "No such file or directory"),
+        ("too short", "must hold 16 to 4096 bytes, got 5"),
+    ],
+)
+def test_rejects_an_unsafe_or_short_secret_file(tiny_moe, tmp_path, case, fix):
+    path = _secret_file(
+        tmp_path, b"short" if case == "too short" else b"s" * 32,
+        0o644 if case == "open to others" else 0o600,
+    )  # fmt: skip
+    if case == "a symlink":
+        link = tmp_path / "link"
+        link.symlink_to(path)
+        path = link
+    elif case == "missing":
+        path = tmp_path / "nowhere"
+    with _rejects(fix):
+        _build_r3(tiny_moe, artifact_config=_shared(shared_secret_file=str(path)))
 
 
 def test_rejects_an_unknown_routed_experts_format(tiny_moe):

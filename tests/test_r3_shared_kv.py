@@ -21,6 +21,7 @@ engine that hashes blocks differently refused at startup."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -48,8 +49,16 @@ BLOCK = 32
 P = "vllm:routed_experts_"
 
 
+# The key space's deployment secret: one 0600 file every engine is given.
+SECRET_FILE: list[str] = []
+
+
 @pytest.fixture(scope="module")
-def master():
+def master(tmp_path_factory):
+    secret = tmp_path_factory.mktemp("key-space") / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    SECRET_FILE[:] = [str(secret)]
     with running_master("mooncake-master-shared-kv") as m:
         yield m
 
@@ -69,6 +78,7 @@ def _shared_tier(master) -> dict:
         mooncake_master=master.address,
         mooncake_segment_bytes=64 << 20,
         mooncake_buffer_bytes=16 << 20,
+        shared_secret_file=SECRET_FILE[0],
     )
 
 

@@ -6,10 +6,11 @@ real ``mooncake_master`` (127.0.0.1, TCP) and real ``/dev/shm`` stores, two
 publishes the other pulls, verified, into its local store, where it stays
 whatever Mooncake does later; a pull after the engine whose segment held
 part of the objects went takes what survives; the last put of a key is read
-whole; a corrupted shared object is never taken; the master going away
-costs the publisher nothing but the mirror; a frozen master (SIGSTOP) holds
-no caller, and the tier is called again after it resumes; and the key
-space's terms are recorded once and enforced."""
+whole; an object that fails authentication (planted with a valid checksum,
+altered, or written under another secret) is never taken, and is counted;
+the master going away costs the publisher nothing but the mirror; a frozen
+master (SIGSTOP) holds no caller, and the tier is called again after it
+resumes; and the key space's terms are recorded once and enforced."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 from vllm.config.artifact import ArtifactConfig
+from vllm.config.artifact_transfer import SHARED_SECRET_ENV
 from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.key_space import (
     KeySpaceMismatchError,
@@ -38,6 +40,7 @@ from vllm.distributed.artifact_connector.mooncake.tiered import SharedTierWriter
 from vllm.distributed.artifact_connector.shm import ShmStoreWriter
 from vllm.distributed.artifact_connector.store import (
     PutStatus,
+    checksum,
 )
 
 from .helpers import key, payload, put
@@ -49,6 +52,13 @@ from utils.mooncake import running_master  # noqa: E402
 
 LARGEST = 6208  # the largest object the tests put
 PULL_S = 1.0  # shared_pull_timeout_s's default
+SECRET = b"the unit tests' key space secret"
+
+
+@pytest.fixture(autouse=True)
+def deployment_secret(monkeypatch):
+    """Every engine of the key space is given the same secret."""
+    monkeypatch.setenv(SHARED_SECRET_ENV, SECRET.decode())
 
 
 def mirrored(writer: SharedTierWriter, n: int) -> tuple[int, int]:
@@ -179,8 +189,11 @@ def test_the_last_put_of_a_key_is_read_whole(engines, master):
     assert ra.checksum != rb.checksum
     client = mc.acquire(_cfg(master), segment_bytes=0)
     try:
-        shared = MooncakeObjects(client, master.address, max_object_nbytes=LARGEST)
-        (current,), data = shared.fetch([k])
+        shared = MooncakeObjects(
+            client, master.address, secret=SECRET, max_object_nbytes=LARGEST
+        )
+        (current,), data, rejected = shared.fetch([k])
+        assert rejected == []
         assert current == rb  # the last put is current, as in /dev/shm
         assert bytes(data) == b"B" * 500
         shared.close()
@@ -190,15 +203,11 @@ def test_the_last_put_of_a_key_is_read_whole(engines, master):
     assert a._local.lookup([k]) == [ra] and b._local.lookup([k]) == [rb]
 
 
-def test_a_corrupted_shared_object_is_refused(engines, master):
-    a, b = engines
-    k = key(3)
-    (ref,) = put(a, [(k, payload(3, 2000))]).refs
-    assert mirrored(a, 1) == (1, 0)
-    # The header a wrote, over other bytes of the same length.
-    bad = np.zeros(HEADER.itemsize + 2000, np.uint8)
-    bad[: HEADER.itemsize].view(HEADER)[0] = (ref.checksum, 2000)
-    bad[HEADER.itemsize :] = np.frombuffer(payload(4, 2000), np.uint8)
+def _plant(master, k: str, header: np.ndarray, body: bytes) -> None:
+    """Write ``vllm-artifact/<k>`` as anyone who reaches the master can."""
+    bad = np.zeros(HEADER.itemsize + len(body), np.uint8)
+    bad[: HEADER.itemsize].view(HEADER)[0] = header
+    bad[HEADER.itemsize :] = np.frombuffer(body, np.uint8)
     raw = _raw(master)
     try:
         assert raw.register_buffer(bad.ctypes.data, bad.nbytes) == 0
@@ -207,9 +216,58 @@ def test_a_corrupted_shared_object_is_refused(engines, master):
         raw.unregister_buffer(bad.ctypes.data)
     finally:
         raw.close()
-    assert pull(b, [k])  # the tier's thread logs the ChecksumMismatchError
+
+
+@pytest.mark.parametrize("planted", ["forged", "altered"])
+def test_an_object_without_a_valid_mac_is_refused(engines, master, planted):
+    """Objects planted by someone who reaches the master, with a checksum
+    that matches their bytes (what the fork's own encoder would write), are
+    treated as missing: nothing is taken, the block is recomputed, and the
+    refusal is counted."""
+    a, b = engines
+    k, body = key(3), payload(4, 2000)
+    header = np.zeros((), HEADER)
+    header["checksum"], header["nbytes"] = checksum(memoryview(body)), len(body)
+    if planted == "altered":
+        # A's genuine object, its MAC kept, its bytes replaced.
+        put(a, [(k, payload(3, 2000))])
+        assert mirrored(a, 1) == (1, 0)
+        client = mc.acquire(_cfg(master), segment_bytes=0)
+        try:
+            slot = np.zeros(HEADER.itemsize + LARGEST, np.uint8)
+            assert client.register_buffer(slot.ctypes.data, slot.nbytes) == 0
+            assert client.batch_get_into(
+                [PREFIX + k], [slot.ctypes.data], [slot.nbytes]
+            ) == [HEADER.itemsize + 2000]
+            header["mac"] = slot[: HEADER.itemsize].view(HEADER)[0]["mac"]
+            client.unregister_buffer(slot.ctypes.data)
+        finally:
+            mc.release(client)
+    _plant(master, k, header, body)
+    assert pull(b, [k])
     assert b.lookup([k]) == [None]  # nothing taken: the block is recomputed
-    assert b.stats().shared_pulls == 0
+    st = b.stats()
+    assert (st.shared_pulls, st.shared_rejected) == (0, 1)
+
+
+def test_objects_of_another_secret_are_refused(engines, master, shm_root, monkeypatch):
+    """An engine given another secret shares nothing with the key space:
+    what it pulls fails authentication."""
+    a, _ = engines
+    items = [(key(i), payload(i, 6208)) for i in range(4)]
+    put(a, items)
+    assert mirrored(a, 4) == (4, 0)
+    monkeypatch.setenv(SHARED_SECRET_ENV, "another deployment's secret")
+    cfg = _cfg(master)
+    client = mc.acquire(cfg, segment_bytes=16 << 20)
+    local = ShmStoreWriter(shm_root, uuid.uuid4().hex)
+    c = SharedTierWriter(local, cfg, max_object_nbytes=LARGEST, client=client)
+    try:
+        assert pull(c, [k for k, _ in items])
+        assert c.lookup([k for k, _ in items]) == [None] * 4
+        assert c.stats().shared_rejected == 4
+    finally:
+        c.close()
 
 
 def test_master_down_costs_the_publisher_only_the_mirror(engines, master):

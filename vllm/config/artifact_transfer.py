@@ -8,6 +8,7 @@ connectors, the Mooncake Store (``backend`` and ``ref_transport``
 
 import os
 import re
+import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,74 @@ def check_mooncake(cfg: "ArtifactConfig", what: str, reject: Reject) -> None:
         )
 
 
+# The deployment secret of backend mooncake: the file the config names, or
+# else the secret itself in this environment variable.
+SHARED_SECRET_ENV = "VLLM_ROUTED_EXPERTS_SECRET"
+MIN_SHARED_SECRET_BYTES = 16
+_MAX_SHARED_SECRET_BYTES = 4096
+_SECRET_FIX = (
+    "write at least 16 random bytes to a file only you can read (e.g. "
+    "`head -c 32 /dev/urandom > secret && chmod 600 secret`) and set "
+    """--artifact-config '{"shared_secret_file": "/path/to/secret", ...}' """
+    f"on every engine of the key space, or set {SHARED_SECRET_ENV} to the "
+    "same secret on each"
+)
+
+
+class SharedSecretError(ValueError):
+    """The deployment secret of ``backend: mooncake`` is missing or unsafe."""
+
+
+def shared_secret(cfg: "ArtifactConfig") -> bytes:
+    """The deployment secret that authenticates the key space's shared
+    objects: the bytes of ``shared_secret_file`` (read without following a
+    symlink; it must be a regular file of this user that no one else may
+    read), else those of ``$VLLM_ROUTED_EXPERTS_SECRET``; surrounding
+    whitespace (a trailing newline) is not part of it. Raises
+    :class:`SharedSecretError` with the fix."""
+    if cfg.shared_secret_file:
+        path = cfg.shared_secret_file
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SharedSecretError(
+                f"cannot open shared_secret_file {path!r} ({e.strerror}, and "
+                f"a symlink is refused); {_SECRET_FIX}"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise SharedSecretError(
+                    f"shared_secret_file {path!r} is not a regular file owned "
+                    f"by this user; {_SECRET_FIX}"
+                )
+            if st.st_mode & 0o077:
+                raise SharedSecretError(
+                    f"shared_secret_file {path!r} is open to other users "
+                    f"(mode {st.st_mode & 0o777:o}); chmod 600 it"
+                )
+            raw = os.read(fd, _MAX_SHARED_SECRET_BYTES + 1)
+        finally:
+            os.close(fd)
+        where = f"shared_secret_file {path!r}"
+    else:
+        raw = os.environ.get(SHARED_SECRET_ENV, "").encode()
+        where = SHARED_SECRET_ENV
+        if not raw:
+            raise SharedSecretError(
+                "with backend mooncake needs a deployment secret to "
+                "authenticate shared routes (anyone who reaches the master "
+                f"could otherwise plant them); {_SECRET_FIX}"
+            )
+    secret = raw.strip()
+    if not MIN_SHARED_SECRET_BYTES <= len(secret) <= _MAX_SHARED_SECRET_BYTES:
+        raise SharedSecretError(
+            f"the secret in {where} must hold {MIN_SHARED_SECRET_BYTES} to "
+            f"{_MAX_SHARED_SECRET_BYTES} bytes, got {len(secret)}; {_SECRET_FIX}"
+        )
+    return secret
+
+
 def check_key_space(
     cfg: "ArtifactConfig", vllm_config: "VllmConfig", reject: Reject
 ) -> None:
@@ -98,6 +167,11 @@ def check_key_space(
             """set --artifact-config '{"backend": "mooncake", "key_space": """
             """"my-deployment", ...}', the same on every engine that shares KV""",
         )
+    try:
+        shared_secret(cfg)
+    except SharedSecretError as e:
+        problem, _, fix = str(e).partition("; ")
+        reject(problem, fix)
     algo = vllm_config.cache_config.prefix_caching_hash_algo
     seeded = os.environ.get("PYTHONHASHSEED") is not None
     if get_hash_fn_by_name(algo) in _NON_CRYPTO_HASH_FUNCTIONS and not seeded:

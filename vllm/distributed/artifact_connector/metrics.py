@@ -51,6 +51,7 @@ STORE_COUNTERS = (
     "shared_puts",
     "shared_pulls",
     "shared_failures",
+    "shared_rejected",
 )
 # Routes handed out by reference (``RouteRefs.counters``, engine core).
 REF_GAUGES = ("waiting_bytes",)
@@ -293,6 +294,12 @@ class ArtifactProm:
                 "Objects whose write into the Mooncake Store failed, or was "
                 "skipped while the store was slow or down (other engines "
                 "recompute those blocks instead of loading their KV).",
+            ),
+            "shared_rejected": counter(
+                p + "store_shared_rejected_objects",
+                "Objects read from the Mooncake Store that failed their "
+                "authentication (the key space's shared secret) or checks, "
+                "treated as missing (the blocks are recomputed).",
             ),
         }
         self.ref_gauges = {

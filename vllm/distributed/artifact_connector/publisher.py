@@ -642,6 +642,7 @@ class ArtifactPublisher:
             "shared_puts": s.shared_puts,
             "shared_pulls": s.shared_pulls,
             "shared_failures": s.shared_failures,
+            "shared_rejected": s.shared_rejected,
         }
 
     def wait_idle(self, timeout_s: float | None = None) -> None:

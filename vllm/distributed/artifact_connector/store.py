@@ -173,10 +173,12 @@ class StoreStats:
     stores_recreated: int = 0  # removed behind the writer, started again
     arenas_lost: int = 0  # arena files deleted behind the writer
     # backend mooncake: objects mirrored into the shared tier, pulled from
-    # it (computed by other engines), and its writes that failed
+    # it (computed by other engines), its writes that failed, and shared
+    # objects that failed their checks (authentication included)
     shared_puts: int = 0
     shared_pulls: int = 0
     shared_failures: int = 0
+    shared_rejected: int = 0
 
 
 #: ``put_batch``'s fill callback: gets a writable uint8 buffer for the

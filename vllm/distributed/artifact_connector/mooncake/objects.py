@@ -3,11 +3,19 @@
 """Artifact objects in a Mooncake Store, shared by every engine of a key
 space.
 
-One Mooncake object per artifact object, ``vllm-artifact/<key>``: a 16-byte
-header (the checksum and length of the bytes) and the bytes, written in one
-batched upsert. The last put of a key is the one read, as in the
-``/dev/shm`` store; a read gets one whole put or nothing, and verifies it
-against its header before returning anything.
+One Mooncake object per artifact object, ``vllm-artifact/<key>``: a 32-byte
+header (the checksum and length of the bytes, and a MAC) and the bytes,
+written in one batched upsert. The last put of a key is the one read, as in
+the ``/dev/shm`` store; a read gets one whole put or nothing, and verifies
+it before returning anything.
+
+Trust: anyone who reaches the master can write, overwrite or delete any
+object (Mooncake has no access control). The MAC, a keyed BLAKE2b of the
+object's name, header and bytes under a key derived from the deployment
+secret (``shared_secret_file``), is what makes a read trustworthy: an object
+that fails it (planted, altered, or written under another secret), its
+length or its checksum is treated as missing, never returned. A deletion
+cannot be prevented; it costs a recomputation.
 
 One object, not a version and a pointer to it: Mooncake places every object
 in some engine's segment and drops it with that segment, so two objects per
@@ -22,6 +30,8 @@ answer.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -33,15 +43,26 @@ from vllm.distributed.artifact_connector.mooncake.client import (
     OBJECT_NOT_FOUND,
     MooncakeUnavailableError,
 )
-from vllm.distributed.artifact_connector.store import (
-    ChecksumMismatchError,
-    ObjectRef,
-    checksum,
-)
+from vllm.distributed.artifact_connector.store import ObjectRef, checksum
 
 PREFIX = "vllm-artifact/"
-HEADER = np.dtype([("checksum", "<u8"), ("nbytes", "<u8")])
+HEADER = np.dtype([("checksum", "<u8"), ("nbytes", "<u8"), ("mac", "V16")])
 _H = HEADER.itemsize
+_SIGNED = 16  # the header's bytes the MAC covers (checksum, nbytes)
+
+
+def mac_key(secret: bytes) -> bytes:
+    """The key of the objects' MACs, derived from the deployment secret."""
+    return hashlib.blake2b(secret, digest_size=32, person=b"vllm-r3-objects").digest()
+
+
+def object_mac(key: bytes, name: str, signed: Any, data: Any) -> bytes:
+    """The MAC of object ``name``: its header's ``signed`` bytes and its
+    bytes ``data`` (buffers: bytes, memoryviews, uint8 arrays)."""
+    h = hashlib.blake2b(name.encode(), digest_size=16, key=key)
+    h.update(signed)
+    h.update(data)
+    return h.digest()
 
 
 class _Staging:
@@ -86,18 +107,20 @@ class MooncakeObjects:
 
     ``max_object_nbytes`` bounds the objects :meth:`fetch` reads (the key
     space's full block: its block size times its row size, plus the
-    envelope)."""
+    envelope); ``secret`` is the deployment secret."""
 
     def __init__(
         self,
         client: Any,
         master: str,
         *,
+        secret: bytes,
         max_object_nbytes: int = 0,
         staging_bytes: int = 4 << 20,
     ) -> None:
         self.master = master
         self.max_object_nbytes = max_object_nbytes
+        self._mac_key = mac_key(secret)
         self._client = client
         self._lock = threading.Lock()
         self._staging = _Staging(client, staging_bytes)
@@ -125,6 +148,11 @@ class MooncakeObjects:
         header["checksum"] = np.fromiter((r.checksum for r in refs), np.uint64, n)
         header["nbytes"] = sizes
         header_bytes = header.view(np.uint8).reshape(n, _H)
+        mk, mv, offs = self._mac_key, data.data, offsets.tolist()
+        header["mac"] = [
+            object_mac(mk, PREFIX + k, header_bytes[i, :_SIGNED], mv[o : o + s])
+            for i, (k, o, s) in enumerate(zip(keys, offs, sizes.tolist()))
+        ]
         at = np.asarray(offsets, np.int64) + _H * np.arange(1, n + 1)  # bytes
         with self._lock:
             buf = self._staging.reserve(int(data.nbytes) + n * _H)
@@ -142,16 +170,19 @@ class MooncakeObjects:
         return sum(1 for rc in rcs if rc < 0)
 
     # ------------------------------------------------------------ reads
-    def fetch(self, keys: Sequence[str]) -> tuple[list[ObjectRef], np.ndarray]:
-        """The objects of ``keys`` that Mooncake has, each verified against
-        its header, and their bytes back to back (in ``keys``' order).
-        Raises :class:`MooncakeUnavailableError` when the master cannot
-        answer and :class:`ChecksumMismatchError` for an object that does
-        not match its header."""
+    def fetch(
+        self, keys: Sequence[str]
+    ) -> tuple[list[ObjectRef], np.ndarray, list[str]]:
+        """The objects of ``keys`` that Mooncake has and that pass their
+        checks (length, MAC, checksum), with their bytes back to back (in
+        ``keys``' order), and the keys of those that failed them (treated
+        as missing). Raises :class:`MooncakeUnavailableError` when the
+        master cannot answer."""
         n = len(keys)
         if not n:
-            return [], np.empty(0, np.uint8)
+            return [], np.empty(0, np.uint8), []
         slot = _H + self.max_object_nbytes
+        mk = self._mac_key
         with self._lock:
             buf = self._staging.reserve(n * slot)
             base = buf.ctypes.data
@@ -163,50 +194,43 @@ class MooncakeObjects:
                 np.int64,
             )  # fmt: skip
             self._raise_for(rcs, keys)
-            present = np.flatnonzero(rcs != OBJECT_NOT_FOUND)
             slots = buf[: n * slot].reshape(n, slot)
-            header = np.ascontiguousarray(slots[present, :_H]).view(HEADER).ravel()
-            sizes = rcs[present] - _H
-            wrong = np.flatnonzero(header["nbytes"] != sizes)
-            if len(wrong):
-                raise ChecksumMismatchError(
-                    f"artifact object {keys[int(present[wrong[0]])]} read from the "
-                    f"Mooncake Store (master {self.master}) does not match its "
-                    "recorded length"
-                )
-            offsets = np.zeros(len(present), np.int64)
-            np.cumsum(sizes[:-1], out=offsets[1:])
-            data = np.empty(int(sizes.sum()), np.uint8)
-            for a, b in _runs(sizes):
-                s, o = int(sizes[a]), int(offsets[a])
-                rows = data[o : o + (b - a) * s].reshape(b - a, s)
-                rows[:] = slots[present[a:b], _H : _H + s]
-        mv = data.data
-        refs = []
-        for j, i in enumerate(present.tolist()):
-            o, s, want = int(offsets[j]), int(sizes[j]), int(header["checksum"][j])
-            if checksum(mv[o : o + s]) != want:
-                raise ChecksumMismatchError(
-                    f"artifact object {keys[i]} read from the Mooncake Store "
-                    f"(master {self.master}) does not match its checksum"
-                )
-            refs.append(ObjectRef(keys[i], want, s))
-        return refs, data
+            good: list[tuple[int, int, int]] = []  # (index, nbytes, checksum)
+            rejected: list[str] = []
+            for i in np.flatnonzero(rcs != OBJECT_NOT_FOUND).tolist():
+                size = int(rcs[i]) - _H
+                head = slots[i, :_H].view(HEADER)[0]
+                body = slots[i, _H : _H + max(size, 0)]
+                if (
+                    size < 0
+                    or int(head["nbytes"]) != size
+                    or not hmac.compare_digest(
+                        object_mac(mk, PREFIX + keys[i], slots[i, :_SIGNED], body),
+                        bytes(head["mac"]),
+                    )
+                    or checksum(body.data) != int(head["checksum"])
+                ):
+                    rejected.append(keys[i])
+                    continue
+                good.append((i, size, int(head["checksum"])))
+            data = np.empty(sum(s for _, s, _ in good), np.uint8)
+            refs, o = [], 0
+            for i, size, want in good:
+                data[o : o + size] = slots[i, _H : _H + size]
+                refs.append(ObjectRef(keys[i], want, size))
+                o += size
+        return refs, data, rejected
 
     def _raise_for(self, rcs: np.ndarray, keys: Sequence[str]) -> None:
-        bad = np.flatnonzero((rcs < _H) & (rcs != OBJECT_NOT_FOUND))
+        # An object too large for its slot (planted, or another dtype's) is
+        # one that fails its checks, not a fault of the tier.
+        bad = np.flatnonzero(
+            (rcs < 0) & (rcs != OBJECT_NOT_FOUND) & (rcs != BUFFER_TOO_SMALL)
+        )
         if not len(bad):
             return
         key, rc = keys[int(bad[0])], int(rcs[bad[0]])
         where = f"artifact object {key} in the Mooncake Store (master {self.master})"
-        if rc >= 0:
-            raise ChecksumMismatchError(f"{where} is shorter than its header")
-        if rc == BUFFER_TOO_SMALL:
-            raise MooncakeUnavailableError(
-                f"{where} is larger than this key space's objects "
-                f"({self.max_object_nbytes} bytes); do all its engines use the "
-                "same routed_experts_dtype?"
-            )
         raise MooncakeUnavailableError(
             f"{where} could not be read (Mooncake error {rc}); is mooncake_master "
             "running?"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm.config.artifact_transfer import shared_secret
 from vllm.distributed.artifact_connector.breaker import Breaker
 from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.key_space import (
@@ -95,7 +96,10 @@ class SharedTierWriter(ObjectStoreWriter):
         self._master = master = str(cfg.mooncake_master)
         # The client's calls run on its own thread, which closes it.
         self._shared = MooncakeObjects(
-            client, master, max_object_nbytes=max_object_nbytes
+            client,
+            master,
+            secret=shared_secret(cfg),
+            max_object_nbytes=max_object_nbytes,
         )
         self._remote = RemoteCalls(
             "artifact-shared-tier",
@@ -108,7 +112,13 @@ class SharedTierWriter(ObjectStoreWriter):
         )
         self._rejoin = rejoin  # () -> None: records the key space's terms
         self._lock = threading.Lock()
-        self._counts = {"shared_puts": 0, "shared_pulls": 0, "shared_failures": 0}
+        self._counts = {
+            "shared_puts": 0,
+            "shared_pulls": 0,
+            "shared_failures": 0,
+            "shared_rejected": 0,
+        }
+        self._rejected_logged = False
         self._next_terms = time.monotonic() + TERMS_INTERVAL_S
         self._last_warning = 0.0
         self._mirror_after = 0.0
@@ -228,6 +238,25 @@ class SharedTierWriter(ObjectStoreWriter):
                 msg,
             )
 
+    def _rejected(self, keys: list[str]) -> None:
+        """Shared objects that failed their checks: treated as missing (the
+        blocks are recomputed and mirrored again, which replaces them)."""
+        with self._lock:
+            self._counts["shared_rejected"] += len(keys)
+            first, self._rejected_logged = not self._rejected_logged, True
+        if first:  # once: a poisoned prefix would repeat it on every request
+            logger.warning(
+                "artifact store, shared tier (master %s): %d shared object(s) "
+                "failed authentication or their checks (first: %s) and were "
+                "treated as missing: written under another shared secret, "
+                "altered, or planted by someone who reaches the master; "
+                "counted in vllm:routed_experts_store_shared_rejected_objects, "
+                "not logged again",
+                self._master,
+                len(keys),
+                keys[0],
+            )
+
     # ------------------------------------------------------------ reads
     def retain(self, owner: str, keys: Iterable[str]) -> None:
         self._local.retain(owner, keys)
@@ -246,7 +275,9 @@ class SharedTierWriter(ObjectStoreWriter):
             got: list[ObjectRef] = []
             data = None
             try:
-                got, data = self._shared.fetch(missing)
+                got, data, rejected = self._shared.fetch(missing)
+                if rejected:
+                    self._rejected(rejected)
             except ArtifactError as e:
                 self._warn(f"pulling {len(missing)} objects failed: {e}")
             finally:
