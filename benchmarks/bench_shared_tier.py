@@ -19,7 +19,10 @@ complete). A real ``mooncake_master`` on 127.0.0.1 (TCP), started here.
   by the caller's (the publication) thread; against ``local_lookup``, a
   lookup of the objects once local, and ``memcpy``, one copy of the bytes;
   ``local_present``: what the scheduler (``ExternalHits``) reads on the
-  engine thread before it takes such a hit, the local store's index.
+  engine thread before it takes such a hit, the local store's index;
+* ``mac``: the authenticator of the same objects (keyed BLAKE2b of name,
+  header and bytes), which the mirror computes on the tier's thread and the
+  pull checks there (it is inside ``pull``; ``mac_share_of_pull``).
 
 Medians over ``--reps`` repetitions (fresh keys each time).
 
@@ -53,6 +56,7 @@ from mooncake_master import start_master
 from vllm.config.artifact import ArtifactConfig
 from vllm.config.artifact_transfer import SHARED_SECRET_ENV
 from vllm.distributed.artifact_connector.mooncake import client as mc
+from vllm.distributed.artifact_connector.mooncake.objects import mac_key, object_mac
 from vllm.distributed.artifact_connector.mooncake.tiered import SharedTierWriter
 from vllm.distributed.artifact_connector.shm import ShmStoreReader, ShmStoreWriter
 from vllm.distributed.artifact_connector.store import checksum
@@ -157,12 +161,23 @@ def main() -> None:
                 t = time.perf_counter()
                 np.copyto(out, data)
                 r["memcpy_s"] = time.perf_counter() - t
+                # The authenticator of n objects, as the mirror (on the tier's
+                # thread) computes it and a pull checks it.
+                mk, mv, signed = mac_key(b"bench secret"), data.data, bytes(16)
+                t = time.perf_counter()
+                for i, k in enumerate(keys):
+                    object_mac(
+                        mk, k, signed, mv[i * OBJECT_NBYTES : (i + 1) * OBJECT_NBYTES]
+                    )
+                r["mac_s"] = time.perf_counter() - t
                 runs.append(r)
             med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
             med["objects"] = n
             med["shared_put_over_local_put"] = med["shared_put_s"] / med["local_put_s"]
             med["pull_us_per_object"] = med["pull_s"] / n * 1e6
             med["pull_over_memcpy"] = med["pull_s"] / med["memcpy_s"]
+            med["mac_us_per_object"] = med["mac_s"] / n * 1e6
+            med["mac_share_of_pull"] = med["mac_s"] / med["pull_s"]
             result[name] = med
         result["counters_a"] = {
             k: getattr(a.stats(), k) for k in ("shared_puts", "shared_failures")
