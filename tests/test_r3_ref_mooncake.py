@@ -126,3 +126,24 @@ def test_master_down_and_restarted(llm, consumer, master, tiny_moe):
         assert time.monotonic() < deadline, again.outputs[0].routed_experts_error
         time.sleep(1.0)
     _assert_exact(consumer, tiny_moe, again)
+
+
+def test_a_zero_row_reference_fetches_an_empty_array(llm, consumer, tiny_moe):
+    """``routed_experts_prompt_start`` at the prompt's length with one output
+    token names no rows: the reference still fetches, an empty array of the
+    routes' shape (an empty payload once read as missing over Mooncake)."""
+    ids = [11, 12, 13, 14, 15, 16, 17]
+    (out,) = llm.generate(
+        [{"prompt_token_ids": ids}],
+        greedy(1, routed_experts_prompt_start=len(ids)),
+        use_tqdm=False,
+    )
+    c = out.outputs[0]
+    assert c.routed_experts_error is None, c.routed_experts_error
+    ref = c.routed_experts_ref
+    assert ref.transport == "mooncake" and ref.shape[0] == 0, ref
+    got = consumer.fetch(ref.to_json())
+    assert isinstance(got, np.ndarray), got
+    want = expected_r3(tiny_moe, ids, c.token_ids)[len(ids) :]
+    assert got.shape == want.shape == (0, *want.shape[1:])
+    assert got.dtype == np.dtype(ref.dtype) == np.uint8  # the routes' dtype

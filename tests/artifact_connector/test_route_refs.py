@@ -137,3 +137,11 @@ def test_a_squatted_ref_scope_falls_back_and_references_name_it():
         )
     finally:
         os.rmdir(path)
+
+
+def test_a_zero_row_reference_fetches_over_the_host_transport(refs):
+    """No rows (``routed_experts_prompt_start`` at the end of the request):
+    the reference fetches an empty array of the routes' shape."""
+    ref = refs.publish(np.zeros((0, 48, 8), np.uint8), 0)
+    got = fetch(ref.to_json())
+    assert got.shape == (0, 48, 8) and got.dtype == np.uint8

@@ -118,6 +118,10 @@ class _MooncakeSink:
             raise RouteRefPublishError(str(e)) from e
 
     def put(self, key: str, rows: np.ndarray) -> None:
+        if not rows.nbytes:
+            # Mooncake refuses empty objects (-600); a reference to no rows
+            # is fetched from the reference alone (routed_experts.fetch).
+            return
         rc = self._store.put(key, rows.reshape(-1).view(np.uint8).data)
         if rc != 0:
             raise RouteRefPublishError(
@@ -127,7 +131,8 @@ class _MooncakeSink:
 
     def retire(self, key: str) -> bool:
         # Fails while a reader's lease holds the object; Mooncake's own
-        # eviction still bounds what stays.
+        # eviction still bounds what stays. (An empty payload was never put;
+        # its remove fails, harmlessly.)
         return self._store.remove(key) == 0
 
     def taken(self) -> list[str]:
