@@ -30,6 +30,7 @@ from vllm.distributed.artifact_connector.mooncake.key_space import (
     KeySpaceMismatchError,
     KeySpaceTerms,
     agree,
+    terms_key,
 )
 from vllm.distributed.artifact_connector.mooncake.objects import (
     HEADER,
@@ -342,3 +343,46 @@ def test_key_space_terms_are_recorded_once_and_enforced(master):
     finally:
         mc.release(other)
         mc.release(client)
+
+
+def test_terms_that_disagree_after_a_master_restart_stop_sharing(master, shm_root):
+    """After a master restart another engine recorded other terms first: the
+    engine stops sharing (pulls end at once, so the hits are recomputed;
+    mirrors are skipped and counted) until the terms agree again."""
+    cfg = _cfg(master)
+    mine = KeySpaceTerms("m", "sha256", "00" * 32, 32, "2x2 uint8")
+    theirs = KeySpaceTerms("m", "sha256", "ff" * 32, 32, "2x2 uint8")
+    client = mc.acquire(cfg, segment_bytes=32 << 20)
+    other = mc.acquire(cfg, segment_bytes=16 << 20)
+    w = SharedTierWriter(
+        ShmStoreWriter(shm_root, uuid.uuid4().hex),
+        cfg,
+        max_object_nbytes=LARGEST,
+        client=client,
+        rejoin=lambda: agree(client, master.address, "restart", mine),
+    )
+
+    def check_terms() -> None:
+        w._next_terms = 0.0  # the check is due (every TERMS_INTERVAL_S)
+        w.maintain()
+
+    try:
+        agree(other, master.address, "restart", theirs)  # recorded first
+        deadline = time.monotonic() + 30
+        while pull(w, [key(50)]):  # a pull that runs: still sharing
+            assert time.monotonic() < deadline, "sharing never stopped"
+            check_terms()
+            time.sleep(0.05)
+        failures = w.stats().shared_failures
+        put(w, [(key(51), payload(51, 100))])
+        assert w.stats().shared_failures == failures + 1  # not mirrored
+        # The terms agree again (here: the conflicting record goes).
+        assert other.remove(terms_key("restart"), True) == 0  # forced: read leases
+        deadline = time.monotonic() + 30
+        while not pull(w, [key(52)]):
+            assert time.monotonic() < deadline, "sharing never resumed"
+            check_terms()
+            time.sleep(0.05)
+    finally:
+        w.close()
+        mc.release(other)

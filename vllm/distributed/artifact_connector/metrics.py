@@ -292,8 +292,9 @@ class ArtifactProm:
             "shared_failures": counter(
                 p + "store_shared_failures",
                 "Objects whose write into the Mooncake Store failed, or was "
-                "skipped while the store was slow or down (other engines "
-                "recompute those blocks instead of loading their KV).",
+                "skipped while the store was slow or down or the key space's "
+                "recorded terms disagreed (other engines recompute those "
+                "blocks instead of loading their KV).",
             ),
             "shared_rejected": counter(
                 p + "store_shared_rejected_objects",

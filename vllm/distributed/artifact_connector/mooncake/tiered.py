@@ -43,6 +43,7 @@ from vllm.config.artifact_transfer import shared_secret
 from vllm.distributed.artifact_connector.breaker import Breaker
 from vllm.distributed.artifact_connector.mooncake import client as mc
 from vllm.distributed.artifact_connector.mooncake.key_space import (
+    KeySpaceMismatchError,
     KeySpaceTerms,
     agree,
     max_object_nbytes,
@@ -111,6 +112,11 @@ class SharedTierWriter(ObjectStoreWriter):
             on_exit=self._close_client,
         )
         self._rejoin = rejoin  # () -> None: records the key space's terms
+        # Why sharing stopped: the terms recorded in the store (after a master
+        # restart, by another engine first) are not this engine's. Set and
+        # cleared by the client's thread; while set, pulls end at once (the
+        # hits are recomputed) and mirrors are skipped (shared_failures).
+        self._terms_conflict: str | None = None
         self._lock = threading.Lock()
         self._counts = {
             "shared_puts": 0,
@@ -188,7 +194,9 @@ class SharedTierWriter(ObjectStoreWriter):
 
     def _mirror(self, keys, refs, data, offsets) -> None:
         done = threading.Event()
-        posted = time.monotonic() >= self._mirror_after and self._remote.post(
+        posted = (
+            self._terms_conflict is None and time.monotonic() >= self._mirror_after
+        ) and self._remote.post(
             lambda: self._mirror_now(keys, refs, data, offsets, done)
         )
         if not posted:  # the tier is down: waiting for earlier ones is moot
@@ -267,7 +275,7 @@ class SharedTierWriter(ObjectStoreWriter):
     def pull(self, tag: str, keys: Sequence[str], wake: Callable[[], None]) -> bool:
         local = self._local.lookup(keys)
         missing = [k for k, ref in zip(keys, local) if ref is None]
-        if not missing:
+        if not missing or self._terms_conflict is not None:
             return True
 
         def fetch() -> None:
@@ -327,11 +335,33 @@ class SharedTierWriter(ObjectStoreWriter):
             self._remote.post(lambda: self._rejoin_now(rejoin))
 
     def _rejoin_now(self, rejoin: Any) -> None:
-        """On the client's thread."""
+        """On the client's thread: stop sharing while the recorded terms
+        differ from this engine's, resume once they agree."""
         try:
             rejoin()
+        except KeySpaceMismatchError as e:
+            if self._terms_conflict is None:
+                logger.error(
+                    "artifact store, shared tier (master %s): stopped sharing "
+                    "routes: %s. Hits on other engines' KV are recomputed and "
+                    "this engine's routes are not mirrored (counted in "
+                    "vllm:routed_experts_store_shared_failures) until the "
+                    "recorded terms agree again (checked every %.0f s)",
+                    self._master,
+                    e,
+                    TERMS_INTERVAL_S,
+                )
+            self._terms_conflict = str(e)
         except ArtifactError as e:
             self._warn(f"the key space's terms: {e}")
+        else:
+            if self._terms_conflict is not None:
+                self._terms_conflict = None
+                logger.warning(
+                    "artifact store, shared tier (master %s): the key space's "
+                    "terms agree again; sharing routes resumed",
+                    self._master,
+                )
 
     def stats(self) -> StoreStats:
         with self._lock:
