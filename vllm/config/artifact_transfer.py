@@ -101,7 +101,12 @@ _SECRET_FIX = (
 
 
 class SharedSecretError(ValueError):
-    """The deployment secret of ``backend: mooncake`` is missing or unsafe."""
+    """The deployment secret of ``backend: mooncake`` is missing or unsafe:
+    ``problem``, and ``fix`` (by default how to provide one)."""
+
+    def __init__(self, problem: str, fix: str = _SECRET_FIX) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem, self.fix = problem, fix
 
 
 def shared_secret(cfg: "ArtifactConfig") -> bytes:
@@ -118,19 +123,20 @@ def shared_secret(cfg: "ArtifactConfig") -> bytes:
         except OSError as e:
             raise SharedSecretError(
                 f"cannot open shared_secret_file {path!r} ({e.strerror}, and "
-                f"a symlink is refused); {_SECRET_FIX}"
+                "a symlink is refused)"
             ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
                 raise SharedSecretError(
                     f"shared_secret_file {path!r} is not a regular file owned "
-                    f"by this user; {_SECRET_FIX}"
+                    "by this user"
                 )
             if st.st_mode & 0o077:
                 raise SharedSecretError(
                     f"shared_secret_file {path!r} is open to other users "
-                    f"(mode {st.st_mode & 0o777:o}); chmod 600 it"
+                    f"(mode {st.st_mode & 0o777:o})",
+                    "chmod 600 it",
                 )
             raw = os.read(fd, _MAX_SHARED_SECRET_BYTES + 1)
         finally:
@@ -143,13 +149,13 @@ def shared_secret(cfg: "ArtifactConfig") -> bytes:
             raise SharedSecretError(
                 "with backend mooncake needs a deployment secret to "
                 "authenticate shared routes (anyone who reaches the master "
-                f"could otherwise plant them); {_SECRET_FIX}"
+                "could otherwise plant them)"
             )
     secret = raw.strip()
     if not MIN_SHARED_SECRET_BYTES <= len(secret) <= _MAX_SHARED_SECRET_BYTES:
         raise SharedSecretError(
             f"the secret in {where} must hold {MIN_SHARED_SECRET_BYTES} to "
-            f"{_MAX_SHARED_SECRET_BYTES} bytes, got {len(secret)}; {_SECRET_FIX}"
+            f"{_MAX_SHARED_SECRET_BYTES} bytes, got {len(secret)}"
         )
     return secret
 
@@ -170,8 +176,7 @@ def check_key_space(
     try:
         shared_secret(cfg)
     except SharedSecretError as e:
-        problem, _, fix = str(e).partition("; ")
-        reject(problem, fix)
+        reject(e.problem, e.fix)
     algo = vllm_config.cache_config.prefix_caching_hash_algo
     seeded = os.environ.get("PYTHONHASHSEED") is not None
     if get_hash_fn_by_name(algo) in _NON_CRYPTO_HASH_FUNCTIONS and not seeded:

@@ -148,8 +148,8 @@ class RowSlab:
         self.pages = np.zeros((num_pages, block_size, *spec.row_shape), spec.dtype)
         # The same memory as one cell per row: scattering 256 rows of 384 B
         # into it took 4.1 us, against 15.8 us for a gather and a scatter
-        # over ``pages``' trailing dimensions (docs/benchmarks.md, "Host CPU
-        # per step at batch 256").
+        # over ``pages``' trailing dimensions (docs/benchmarks.md, "The
+        # rerun of issue 28's table").
         self.row_cells = as_row_cells(self.pages.reshape(-1, *spec.row_shape))
         self.cursors = RowCursors()
         self._free = list(range(num_pages - 1, -1, -1))

@@ -96,7 +96,7 @@ MAX_VERSIONS_SEEN = 16
 # steps, or until this many gathered (see the module docs): at 256 decoding
 # requests, 16 blocks a step, the publication thread's CPU per step falls
 # from 0.61-0.73 to 0.38-0.39 ms (benchmarks/bench_artifact_store.py
-# decode_step; docs/benchmarks.md, "Host CPU per step at batch 256").
+# decode_step; docs/benchmarks.md, "The rerun of issue 28's table").
 GATHER_STEPS = 4
 GATHER_OBJECTS = 64
 

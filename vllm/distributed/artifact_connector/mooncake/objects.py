@@ -213,12 +213,16 @@ class MooncakeObjects:
                     rejected.append(keys[i])
                     continue
                 good.append((i, size, int(head["checksum"])))
-            data = np.empty(sum(s for _, s, _ in good), np.uint8)
-            refs, o = [], 0
-            for i, size, want in good:
-                data[o : o + size] = slots[i, _H : _H + size]
-                refs.append(ObjectRef(keys[i], want, size))
-                o += size
+            which = np.fromiter((i for i, _, _ in good), np.int64, len(good))
+            sizes = np.fromiter((s for _, s, _ in good), np.int64, len(good))
+            offsets = np.zeros(len(good), np.int64)
+            np.cumsum(sizes[:-1], out=offsets[1:])
+            data = np.empty(int(sizes.sum()), np.uint8)
+            for a, b in _runs(sizes):
+                s, o = int(sizes[a]), int(offsets[a])
+                rows = data[o : o + (b - a) * s].reshape(b - a, s)
+                rows[:] = slots[which[a:b], _H : _H + s]
+        refs = [ObjectRef(keys[i], want, size) for i, size, want in good]
         return refs, data, rejected
 
     def _raise_for(self, rcs: np.ndarray, keys: Sequence[str]) -> None:

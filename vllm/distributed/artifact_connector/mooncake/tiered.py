@@ -112,11 +112,11 @@ class SharedTierWriter(ObjectStoreWriter):
             on_exit=self._close_client,
         )
         self._rejoin = rejoin  # () -> None: records the key space's terms
-        # Why sharing stopped: the terms recorded in the store (after a master
-        # restart, by another engine first) are not this engine's. Set and
-        # cleared by the client's thread; while set, pulls end at once (the
-        # hits are recomputed) and mirrors are skipped (shared_failures).
-        self._terms_conflict: str | None = None
+        # The terms recorded in the store (after a master restart, by another
+        # engine first) are not this engine's. Set and cleared by the client's
+        # thread; while set, pulls end at once (the hits are recomputed) and
+        # mirrors are skipped (shared_failures).
+        self._sharing_stopped = False
         self._lock = threading.Lock()
         self._counts = {
             "shared_puts": 0,
@@ -195,7 +195,7 @@ class SharedTierWriter(ObjectStoreWriter):
     def _mirror(self, keys, refs, data, offsets) -> None:
         done = threading.Event()
         posted = (
-            self._terms_conflict is None and time.monotonic() >= self._mirror_after
+            not self._sharing_stopped and time.monotonic() >= self._mirror_after
         ) and self._remote.post(
             lambda: self._mirror_now(keys, refs, data, offsets, done)
         )
@@ -275,7 +275,7 @@ class SharedTierWriter(ObjectStoreWriter):
     def pull(self, tag: str, keys: Sequence[str], wake: Callable[[], None]) -> bool:
         local = self._local.lookup(keys)
         missing = [k for k, ref in zip(keys, local) if ref is None]
-        if not missing or self._terms_conflict is not None:
+        if not missing or self._sharing_stopped:
             return True
 
         def fetch() -> None:
@@ -340,7 +340,7 @@ class SharedTierWriter(ObjectStoreWriter):
         try:
             rejoin()
         except KeySpaceMismatchError as e:
-            if self._terms_conflict is None:
+            if not self._sharing_stopped:
                 logger.error(
                     "artifact store, shared tier (master %s): stopped sharing "
                     "routes: %s. Hits on other engines' KV are recomputed and "
@@ -351,12 +351,12 @@ class SharedTierWriter(ObjectStoreWriter):
                     e,
                     TERMS_INTERVAL_S,
                 )
-            self._terms_conflict = str(e)
+            self._sharing_stopped = True
         except ArtifactError as e:
             self._warn(f"the key space's terms: {e}")
         else:
-            if self._terms_conflict is not None:
-                self._terms_conflict = None
+            if self._sharing_stopped:
+                self._sharing_stopped = False
                 logger.warning(
                     "artifact store, shared tier (master %s): the key space's "
                     "terms agree again; sharing routes resumed",
