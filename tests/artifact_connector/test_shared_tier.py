@@ -5,9 +5,11 @@ real ``mooncake_master`` (127.0.0.1, TCP) and real ``/dev/shm`` stores, two
 "engines" in one process with their own Mooncake clients: what one
 publishes the other pulls, verified, into its local store, where it stays
 whatever Mooncake does later; a pull after the engine whose segment held
-part of the objects went takes what survives; the last put of a key is read
-whole; an object that fails authentication (planted with a valid checksum,
-altered, or written under another secret) is never taken, and is counted;
+part of the objects went takes what survives; the first put of a key is the
+one kept (as the KV pool keeps its first writer's KV); an object that fails
+authentication (planted with a valid checksum, altered, or written under
+another secret) is never taken, is counted, and is removed, so that the
+recomputed block's genuine object takes its place (healed);
 the master going away costs the publisher nothing but the mirror; a frozen
 master (SIGSTOP) holds no caller, and the tier is called again after it
 resumes; and the key space's terms are recorded once and enforced."""
@@ -180,7 +182,27 @@ def test_a_pull_after_an_engine_goes_takes_what_survives(engines, master):
     assert all(g == r for g, r in zip(got, refs) if g is not None)
 
 
-def test_the_last_put_of_a_key_is_read_whole(engines, master):
+def _shared_view(master, keys: list[str], secret: bytes = SECRET):
+    """What a reader holding ``secret`` gets for ``keys`` from the tier:
+    (objects, bytes, rejected keys)."""
+    client = mc.acquire(_cfg(master), segment_bytes=0)
+    try:
+        shared = MooncakeObjects(
+            client, master.address, secret=secret, max_object_nbytes=LARGEST
+        )
+        try:
+            return shared.fetch(keys)
+        finally:
+            shared.close()
+    finally:
+        mc.release(client)
+
+
+def test_the_first_put_of_a_key_is_kept(engines, master):
+    """Two engines computed one block with different routes (a near-tie
+    routed the other way in another batch): the tier keeps the first one,
+    as the KV pool keeps the first KV stored, so a hit that loads the pool's
+    KV gets the routes of the engine that computed it."""
     a, b = engines
     k = key(7)
     (ra,) = put(a, [(k, b"A" * 500)]).refs
@@ -188,18 +210,10 @@ def test_the_last_put_of_a_key_is_read_whole(engines, master):
     (rb,) = put(b, [(k, b"B" * 500)]).refs  # b computed the block otherwise
     assert mirrored(b, 1) == (1, 0)
     assert ra.checksum != rb.checksum
-    client = mc.acquire(_cfg(master), segment_bytes=0)
-    try:
-        shared = MooncakeObjects(
-            client, master.address, secret=SECRET, max_object_nbytes=LARGEST
-        )
-        (current,), data, rejected = shared.fetch([k])
-        assert rejected == []
-        assert current == rb  # the last put is current, as in /dev/shm
-        assert bytes(data) == b"B" * 500
-        shared.close()
-    finally:
-        mc.release(client)
+    (current,), data, rejected = _shared_view(master, [k])
+    assert rejected == []
+    assert current == ra  # the first put stays
+    assert bytes(data) == b"A" * 500
     # Each engine's own store keeps its own version for its own requests.
     assert a._local.lookup([k]) == [ra] and b._local.lookup([k]) == [rb]
 
@@ -249,26 +263,30 @@ def test_an_object_without_a_valid_mac_is_refused(engines, master, planted):
     assert b.lookup([k]) == [None]  # nothing taken: the block is recomputed
     st = b.stats()
     assert (st.shared_pulls, st.shared_rejected) == (0, 1)
+    # Removed from the tier: b's recomputation of the block puts a genuine
+    # object in its place, which every engine then takes (healed).
+    refs, _, rejected = _shared_view(master, [k])
+    assert (refs, rejected) == ([], [])
+    (genuine,) = put(b, [(k, payload(3, 2000))]).refs
+    assert mirrored(b, 1) == (1, 0)
+    (now,), data, rejected = _shared_view(master, [k])
+    assert (now, rejected) == (genuine, [])
+    assert bytes(data) == payload(3, 2000)
 
 
-def test_objects_of_another_secret_are_refused(engines, master, shm_root, monkeypatch):
-    """An engine given another secret shares nothing with the key space:
-    what it pulls fails authentication."""
+def test_objects_of_another_secret_are_refused(engines, master):
+    """Objects written under one secret fail authentication under another
+    (an engine given another secret cannot join the key space at all: see
+    the terms test)."""
     a, _ = engines
     items = [(key(i), payload(i, 6208)) for i in range(4)]
     put(a, items)
     assert mirrored(a, 4) == (4, 0)
-    monkeypatch.setenv(SHARED_SECRET_ENV, "another deployment's secret")
-    cfg = _cfg(master)
-    client = mc.acquire(cfg, segment_bytes=16 << 20)
-    local = ShmStoreWriter(shm_root, uuid.uuid4().hex)
-    c = SharedTierWriter(local, cfg, max_object_nbytes=LARGEST, client=client)
-    try:
-        assert pull(c, [k for k, _ in items])
-        assert c.lookup([k for k, _ in items]) == [None] * 4
-        assert c.stats().shared_rejected == 4
-    finally:
-        c.close()
+    keys = [k for k, _ in items]
+    refs, _, rejected = _shared_view(master, keys, secret=b"another secret 123")
+    assert (refs, rejected) == ([], keys)
+    refs, _, rejected = _shared_view(master, keys)  # a reader removes nothing
+    assert (len(refs), rejected) == (4, [])
 
 
 def test_master_down_costs_the_publisher_only_the_mirror(engines, master):
@@ -326,19 +344,22 @@ def test_a_frozen_master_holds_no_caller_past_its_deadline(engines, master):
 
 def test_key_space_terms_are_recorded_once_and_enforced(master):
     cfg = _cfg(master)
-    terms = KeySpaceTerms("m", "sha256", "00" * 32, 32, "2x2 uint8")
+    terms = KeySpaceTerms("m", "sha256", "00" * 32, 32, "2x2 uint8", "5e")
     client = mc.acquire(cfg, segment_bytes=32 << 20)
     other = mc.acquire(cfg, segment_bytes=16 << 20)
     try:
         agree(client, master.address, "ks", terms)  # records
         agree(other, master.address, "ks", terms)  # agrees
-        agree(other, master.address, "ks2", KeySpaceTerms("x", "xxhash", "11", 16, "r"))
-        wrong = KeySpaceTerms("m", "sha256", "ff" * 32, 64, "2x2 uint8")
+        elsewhere = KeySpaceTerms("x", "xxhash", "11", 16, "r", "5e")
+        agree(other, master.address, "ks2", elsewhere)
+        wrong = KeySpaceTerms("m", "sha256", "ff" * 32, 64, "2x2 uint8", "0f")
         with pytest.raises(KeySpaceMismatchError) as exc:
             agree(other, master.address, "ks", wrong)
         msg = str(exc.value)
         assert "none_hash" in msg and "PYTHONHASHSEED" in msg
         assert "block_size: this engine 64, the key space 32" in msg
+        assert "secret_id: this engine '0f', the key space '5e'" in msg
+        assert "give every engine the same deployment secret" in msg
         assert "model:" not in msg  # what agrees is not named
     finally:
         mc.release(other)
@@ -350,8 +371,8 @@ def test_terms_that_disagree_after_a_master_restart_stop_sharing(master, shm_roo
     engine stops sharing (pulls end at once, so the hits are recomputed;
     mirrors are skipped and counted) until the terms agree again."""
     cfg = _cfg(master)
-    mine = KeySpaceTerms("m", "sha256", "00" * 32, 32, "2x2 uint8")
-    theirs = KeySpaceTerms("m", "sha256", "ff" * 32, 32, "2x2 uint8")
+    mine = KeySpaceTerms("m", "sha256", "00" * 32, 32, "2x2 uint8", "5e")
+    theirs = KeySpaceTerms("m", "sha256", "ff" * 32, 32, "2x2 uint8", "5e")
     client = mc.acquire(cfg, segment_bytes=32 << 20)
     other = mc.acquire(cfg, segment_bytes=16 << 20)
     w = SharedTierWriter(

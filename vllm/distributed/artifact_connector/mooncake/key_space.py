@@ -7,6 +7,7 @@ A key is derived from a KV block hash (``request_core.KeySpace``), so two
 engines share routes only if they hash blocks alike: the same model, the
 same hash algorithm and seed (vLLM's ``NONE_HASH``, the root of every
 chain, fingerprints both), the same block size and the same row format.
+The terms also fingerprint the deployment secret (:func:`secret_id`).
 The first engine of a key space records its :class:`KeySpaceTerms` in the
 Mooncake Store (hard-pinned, so never evicted); every later one compares
 and refuses to start on a difference, naming it."""
@@ -38,7 +39,17 @@ _FIXES = {
     "block hashes)",
     "block_size": "use the same --block-size on every engine",
     "row_format": "use the same routed_experts_dtype on every engine",
+    "secret_id": "give every engine the same deployment secret "
+    "(shared_secret_file, or $VLLM_ROUTED_EXPERTS_SECRET)",
 }
+
+
+def secret_id(secret: bytes) -> str:
+    """A public fingerprint of the deployment secret (a hash of it under
+    its own personalisation, so it reveals nothing the objects' MACs do
+    not): engines with different secrets would remove each other's objects
+    as forged, so they may not share a key space."""
+    return hashlib.blake2b(secret, digest_size=8, person=b"vllm-r3-secret").hexdigest()
 
 
 class KeySpaceMismatchError(ArtifactError, ValueError):
@@ -54,10 +65,12 @@ class KeySpaceTerms:
     none_hash: str  # hex of vLLM's NONE_HASH for this algorithm and seed
     block_size: int
     row_format: str  # layers x top-k, dtype
+    secret_id: str  # secret_id() of the deployment secret
 
     @classmethod
     def of(cls, vllm_config: VllmConfig) -> KeySpaceTerms:
         from vllm.config.artifact import routed_experts_row_spec
+        from vllm.config.artifact_transfer import shared_secret
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
 
@@ -71,6 +84,7 @@ class KeySpaceTerms:
             none_hash=bytes(hash_fn(resolve_none_hash_seed(hash_fn))).hex(),
             block_size=int(cache.block_size),
             row_format=f"{spec.row_shape[0]}x{spec.row_shape[1]} {spec.dtype}",
+            secret_id=secret_id(shared_secret(vllm_config.artifact_config)),
         )
 
     def encode(self) -> bytes:

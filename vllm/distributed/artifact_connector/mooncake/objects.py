@@ -5,17 +5,25 @@ space.
 
 One Mooncake object per artifact object, ``vllm-artifact/<key>``: a 32-byte
 header (the checksum and length of the bytes, and a MAC) and the bytes,
-written in one batched upsert. The last put of a key is the one read, as in
-the ``/dev/shm`` store; a read gets one whole put or nothing, and verifies
-it before returning anything.
+written in one batched put. **The first put of a key is the one kept**
+(Mooncake's put leaves an existing object as it is), as vLLM's
+``ExampleConnector`` keeps the first KV stored for a prompt: an engine that
+loads a block's KV from the pool and its routes from here gets the routes
+of the engine that computed that KV, not of a later engine that computed the
+block again (a near-tie routed the other way in another batch). A read gets
+one whole put or nothing, and verifies it before returning anything.
 
 Trust: anyone who reaches the master can write, overwrite or delete any
 object (Mooncake has no access control). The MAC, a keyed BLAKE2b of the
 object's name, header and bytes under a key derived from the deployment
 secret (``shared_secret_file``), is what makes a read trustworthy: an object
 that fails it (planted, altered, or written under another secret), its
-length or its checksum is treated as missing, never returned. A deletion
-cannot be prevented; it costs a recomputation.
+length or its checksum is treated as missing, never returned, and is
+removed (:meth:`MooncakeObjects.remove`): under the first-put rule it would
+otherwise hold its key against every genuine put, and every engine would
+recompute the block forever. Engines of one key space hold one secret (the
+key space's terms fingerprint it), so an object that fails is never a
+genuine one. A deletion cannot be prevented; it costs a recomputation.
 
 One object, not a version and a pointer to it: Mooncake places every object
 in some engine's segment and drops it with that segment, so two objects per
@@ -138,8 +146,10 @@ class MooncakeObjects:
         offsets: np.ndarray,
     ) -> int:
         """Put ``keys`` (object ``i`` is ``data[offsets[i]: offsets[i] +
-        refs[i].nbytes]``, objects back to back); returns how many of the
-        ``len(keys)`` writes Mooncake refused."""
+        refs[i].nbytes]``, objects back to back) where they are not in the
+        store yet (a key already there keeps its object: see the module
+        docs); returns how many of the ``len(keys)`` writes Mooncake
+        refused."""
         n = len(keys)
         if not n:
             return 0
@@ -163,7 +173,7 @@ class MooncakeObjects:
                 src = int(offsets[a])
                 dst[:, _H:] = data[src : src + (b - a) * s].reshape(b - a, s)
             base = buf.ctypes.data
-            rcs = self._client.batch_upsert_from(
+            rcs = self._client.batch_put_from(
                 [PREFIX + k for k in keys], (base + at - _H).tolist(),
                 (sizes + _H).tolist(),
             )  # fmt: skip
@@ -224,6 +234,14 @@ class MooncakeObjects:
                 rows[:] = slots[which[a:b], _H : _H + s]
         refs = [ObjectRef(keys[i], want, size) for i, size, want in good]
         return refs, data, rejected
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """Remove the objects of ``keys`` that failed their checks (forced:
+        a read's lease does not keep them). A key already gone, or put again
+        meanwhile by a genuine engine and removed here, costs a
+        recomputation, never a wrong answer."""
+        for k in keys:
+            self._client.remove(PREFIX + k, True)
 
     def _raise_for(self, rcs: np.ndarray, keys: Sequence[str]) -> None:
         # An object too large for its slot (planted, or another dtype's) is

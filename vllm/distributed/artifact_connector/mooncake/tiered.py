@@ -5,13 +5,16 @@ store, with a Mooncake Store shared by the key space's engines behind it.
 
 * **put**: objects go into the local store (which decides what is new) and
   what is new there is mirrored into the shared tier, in one batched call
-  that the publication thread posts and does not wait for. A failed or
+  that the publication thread posts and does not wait for. A key the tier
+  already holds keeps its first object (``objects.py``: the routes follow
+  the KV that a pool keeps, its first writer's). A failed or
   skipped mirror costs other engines their hits on these objects (their
   schedulers find no object and recompute), never this engine's own
   answers: it is counted and logged, not raised.
 * **pull**: before the scheduler takes a hit on KV another engine computed
   (a shared KV pool, a prefill engine), it has the blocks' objects this
-  store lacks copied here from the shared tier, verified; the hit is then
+  store lacks copied here from the shared tier, verified (an object that
+  fails is removed from the tier and left out); the hit is then
   cut to the blocks whose objects are local (``external_hits.py``), so a
   request never depends on the shared tier after it is scheduled.
 * **retain**, **lookup**: the local store's.
@@ -247,8 +250,9 @@ class SharedTierWriter(ObjectStoreWriter):
             )
 
     def _rejected(self, keys: list[str]) -> None:
-        """Shared objects that failed their checks: treated as missing (the
-        blocks are recomputed and mirrored again, which replaces them)."""
+        """Shared objects that failed their checks, now removed from the
+        tier: treated as missing (the blocks are recomputed and mirrored
+        again, which puts genuine ones in their place)."""
         with self._lock:
             self._counts["shared_rejected"] += len(keys)
             first, self._rejected_logged = not self._rejected_logged, True
@@ -256,8 +260,8 @@ class SharedTierWriter(ObjectStoreWriter):
             logger.warning(
                 "artifact store, shared tier (master %s): %d shared object(s) "
                 "failed authentication or their checks (first: %s) and were "
-                "treated as missing: written under another shared secret, "
-                "altered, or planted by someone who reaches the master; "
+                "removed and treated as missing (recomputed): altered, or "
+                "planted by someone who reaches the master; "
                 "counted in vllm:routed_experts_store_shared_rejected_objects, "
                 "not logged again",
                 self._master,
@@ -285,6 +289,7 @@ class SharedTierWriter(ObjectStoreWriter):
             try:
                 got, data, rejected = self._shared.fetch(missing)
                 if rejected:
+                    self._shared.remove(rejected)
                     self._rejected(rejected)
             except ArtifactError as e:
                 self._warn(f"pulling {len(missing)} objects failed: {e}")
