@@ -787,6 +787,48 @@ def _shared_storage(role: str = "kv_both") -> dict:
     }
 
 
+def _multi(*connectors: dict) -> dict:
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": list(connectors)},
+    }
+
+
+def test_rejects_a_multi_connector_of_shared_kv_and_cpu_offload(
+    tiny_moe, monkeypatch, shared_secret
+):
+    """ExampleConnector beside CPU offload in one MultiConnector: the hit
+    cut meant for shared KV would apply to offload hits too. Refused."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    artifact = {"backend": "mooncake", "key_space": "k", "mooncake_master": "h:1"}
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    with _rejects("use ExampleConnector alone (with backend mooncake), or CPU") as e:
+        _build_r3(
+            tiny_moe,
+            kv_transfer_config=_multi(offload, _shared_storage()),
+            artifact_config=artifact,
+        )
+    assert "MultiConnector of OffloadingConnector, ExampleConnector" in str(e.value)
+
+
+def test_checks_each_connectors_role_in_a_multi_connector(
+    tiny_moe, monkeypatch, shared_secret
+):
+    """A CPU-offload connector inside a MultiConnector needs kv_both like one
+    alone, whatever the other connectors' roles."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    artifact = {"backend": "mooncake", "key_space": "k", "mooncake_master": "h:1"}
+    producer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_producer"}
+    with _rejects(FIX_KV) as e:
+        _build_r3(
+            tiny_moe,
+            kv_transfer_config=_multi(producer, _shared_storage()),
+            artifact_config=artifact,
+        )
+    assert "kv_producer" in str(e.value)
+
+
 def test_rejects_shared_kv_without_the_shared_store(tiny_moe):
     with _rejects(FIX_SHARED_KV) as exc:
         _build_r3(tiny_moe, kv_transfer_config=_shared_storage())

@@ -30,14 +30,20 @@ SHARED_KV_CONNECTORS = ("ExampleConnector",)
 
 def check_kv_connectors(cfg: "ArtifactConfig", kv, reject: Reject) -> None:
     """CPU offload (kv_both) runs with either backend; connectors that load
-    KV other engines computed need the shared one; nothing else runs."""
+    KV other engines computed need the shared one, and run alone; nothing
+    else runs. Each connector of a MultiConnector is checked with its own
+    role."""
     connectors = _kv_connectors(kv)
     names = [name for name, _ in connectors]
     roles = {kv.kv_role, *(role for _, role in connectors if role)}
     shared = [n for n in names if n in SHARED_KV_CONNECTORS]
     foreign = [n for n in names if n not in LOCAL_KV_CONNECTORS + SHARED_KV_CONNECTORS]
-    local_only = not shared and roles == {"kv_both"}
-    if not connectors or foreign or not (local_only or shared):
+    local_ok = all(
+        (role or kv.kv_role) == "kv_both"
+        for name, role in connectors
+        if name in LOCAL_KV_CONNECTORS
+    )
+    if not connectors or foreign or not local_ok:
         reject(
             "does not support this KV transfer "
             f"(kv_connector={', '.join(names) or None}, "
@@ -46,6 +52,18 @@ def check_kv_connectors(cfg: "ArtifactConfig", kv, reject: Reject) -> None:
             "with kv_role=kv_both, and ExampleConnector (shared storage, any "
             """role) with --artifact-config '{"backend": "mooncake", ...}' """
             "are supported",
+        )
+    if shared and len(connectors) > 1:
+        # A MultiConnector offers the hit of its first connector that has
+        # one; the cut to blocks whose routes are local must apply to shared
+        # KV only, and which connector a hit came from is MultiConnector's
+        # private state. Refused rather than guessed.
+        reject(
+            f"with a MultiConnector of {', '.join(names)} cannot tell which "
+            "connector a prefix hit came from, so it cannot keep the routes "
+            "of loaded blocks exact (a cut meant for ExampleConnector's hits "
+            "would also cut CPU offload's)",
+            "use ExampleConnector alone (with backend mooncake), or CPU offload alone",
         )
     if shared and cfg.backend != "mooncake":
         reject(
