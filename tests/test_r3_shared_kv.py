@@ -20,10 +20,12 @@ engine that hashes blocks differently refused at startup."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 
+import numpy as np
 import pytest
 from utils.mooncake import running_master
 from utils.r3 import (
@@ -36,6 +38,7 @@ from utils.r3 import (
     r3_server,
     serve_flags,
     shm_root,
+    store_objects,
 )
 
 pytestmark = pytest.mark.engine
@@ -280,6 +283,146 @@ def test_kv_whose_routes_are_gone_is_recomputed(pool, tiny_moe):
     (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
     assert _loaded(out) == _from_storage(out)
     assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+
+
+@contextlib.contextmanager
+def _tier(llm):
+    """The shared tier as an engine of the key space sees it (the test's
+    own client, given the key space's secret): MooncakeObjects."""
+    from vllm.config.artifact_transfer import shared_secret
+    from vllm.distributed.artifact_connector.mooncake import client as mc
+    from vllm.distributed.artifact_connector.mooncake.key_space import (
+        max_object_nbytes,
+    )
+    from vllm.distributed.artifact_connector.mooncake.objects import (
+        MooncakeObjects,
+    )
+
+    cfg = llm.llm_engine.vllm_config.artifact_config
+    client = mc.acquire(cfg, segment_bytes=0)
+    shared = MooncakeObjects(
+        client,
+        str(cfg.mooncake_master),
+        secret=shared_secret(cfg),
+        max_object_nbytes=max_object_nbytes(llm.llm_engine.vllm_config),
+    )
+    try:
+        yield shared
+    finally:
+        shared.close()
+        mc.release(client)
+
+
+def _full_blocks(llm, shared, prompt: str, model) -> list[tuple[str, np.ndarray]]:
+    """Compute ``prompt`` on ``llm`` (two tokens), wait for its mirror, and
+    return its full blocks' objects in the tier in prompt order: (key, the
+    object's bytes)."""
+    from vllm.distributed.artifact_connector.request_core import (
+        ENVELOPE_DTYPE,
+        ENVELOPE_NBYTES,
+    )
+
+    root = llm.llm_engine.vllm_config.artifact_config.shm_root
+    before = {k for k, _ in store_objects(root)}
+    (out,) = llm.generate([prompt], greedy(2), use_tqdm=False)
+    assert_exact(model, out.prompt_token_ids, out.outputs[0])
+    time.sleep(1.0)  # the publication thread has mirrored the blocks
+    keys = sorted({k for k, _ in store_objects(root)} - before)
+    refs, data, rejected = shared.fetch(keys)
+    assert rejected == [] and len(refs) == len(keys)
+    blocks = []
+    o = 0
+    for ref in refs:
+        obj = data[o : o + ref.nbytes]
+        o += ref.nbytes
+        env = obj[-ENVELOPE_NBYTES:].copy().view(ENVELOPE_DTYPE)[0]
+        if int(env["rows"]) == BLOCK:
+            blocks.append((int(env["start"]), ref.key, obj.copy()))
+    blocks.sort()
+    assert len(blocks) == _from_storage(out) // BLOCK > 1
+    return [(k, obj) for _, k, obj in blocks]
+
+
+def test_a_recompute_elsewhere_leaves_the_routes_of_the_loaded_kv(pool, tiny_moe):
+    """Engine a computes a prompt: the KV pool keeps its KV (ExampleConnector
+    stores a prompt's KV once, the first time), the tier its routes. Then
+    another engine of the key space computes the same blocks again and, a
+    near tie going the other way in its batch, gets other routes for every
+    block (written here as that engine would: genuine objects under the key
+    space's secret). b, loading the pool's KV (a's), gets a's routes: the
+    tier keeps a key's first object, as the pool keeps its first KV."""
+    from vllm.distributed.artifact_connector.store import ObjectRef, checksum
+
+    a, b = pool
+    (prompt, _) = _prompts("first-writer")
+    with _tier(a) as shared:
+        blocks = _full_blocks(a, shared, prompt, tiny_moe)
+        keys = [k for k, _ in blocks]
+        other = np.concatenate([obj for _, obj in blocks])
+        sizes = [len(obj) for _, obj in blocks]
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        other[offsets] = (other[offsets] + 1) % 8  # row 0's first expert of 8
+        refs = [
+            ObjectRef(k, checksum(other[o : o + n].data), n)
+            for k, o, n in zip(keys, offsets.tolist(), sizes)
+        ]
+        assert shared.put(keys, refs, other, offsets) == 0  # Mooncake took it
+        got, data, _ = shared.fetch(keys)
+        assert [r.key for r in got] == keys
+        assert bytes(data) == b"".join(obj.tobytes() for _, obj in blocks)
+    (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
+    assert _loaded(out) == _from_storage(out) > 0
+    assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+
+
+def test_a_corrupt_shared_object_is_removed_and_the_prefix_heals(pool, tiny_moe):
+    """One of a prompt's shared objects altered behind the engines (its MAC
+    kept, a byte of its routes changed): b's pull refuses it and removes it
+    from the tier, takes the hit up to that block and recomputes the rest
+    (exact); its recomputation puts a genuine object in its place, so the
+    tier serves the whole prefix again, verified, to every engine."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from vllm.distributed.artifact_connector.mooncake.objects import HEADER, PREFIX
+
+    a, b = pool
+    (prompt, _) = _prompts("healed")
+    rejected = _counter(b, "store_shared_rejected_objects")
+    with _tier(a) as shared:
+        blocks = _full_blocks(a, shared, prompt, tiny_moe)
+        j = len(blocks) // 2
+        k, obj = blocks[j]
+        cfg = a.llm_engine.vllm_config.artifact_config
+        raw = MooncakeDistributedStore()
+        assert raw.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cfg.mooncake_master
+        ) == 0  # fmt: skip
+        try:
+            whole = np.zeros(HEADER.itemsize + len(obj), np.uint8)
+            assert raw.register_buffer(whole.ctypes.data, whole.nbytes) == 0
+            ptr, n = whole.ctypes.data, whole.nbytes
+            assert raw.batch_get_into([PREFIX + k], [ptr], [n]) == [n]
+            whole[HEADER.itemsize] ^= 1  # the header (and its MAC) kept
+            assert raw.remove(PREFIX + k, True) == 0
+            assert raw.batch_upsert_from([PREFIX + k], [ptr], [n]) == [0]
+            raw.unregister_buffer(ptr)
+        finally:
+            raw.close()
+        (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
+        assert _loaded(out) == j * BLOCK  # the blocks before the altered one
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+        time.sleep(1.5)  # b's mirror; its counters come with a step, once a second
+        b.generate(["Once"], greedy(1), use_tqdm=False)
+        assert _counter(b, "store_shared_rejected_objects") == rejected + 1
+        keys = [key for key, _ in blocks]
+        got, data, bad = shared.fetch(keys)
+        assert bad == [] and [r.key for r in got] == keys  # healed
+        assert bytes(data) == b"".join(o.tobytes() for _, o in blocks)
+    # Every engine's next request on the prefix is exact.
+    for llm in (a, b):
+        assert llm.reset_prefix_cache()
+        (out,) = llm.generate([prompt], greedy(4), use_tqdm=False)
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
 
 
 def test_master_stopped_and_restarted(pool, tiny_moe, master):
