@@ -301,15 +301,31 @@ def _mooncake(master: str) -> Any:
         return store
 
 
+def _forget_mooncake(master: str, store: Any) -> None:
+    """Close this process's client of ``master`` after a failed read, so the
+    next one joins afresh: a client that joined before a master restart, or
+    holds a connection Mooncake left dead (its issue 4209), may keep
+    failing where a new one reads."""
+    with _connectors_lock:
+        if _mooncake_clients.get(master) is not store:
+            return
+        del _mooncake_clients[master]
+    store.close()
+
+
 def _take_from_mooncake(ref: RoutedExpertsRef) -> np.ndarray:
     if ref.nbytes == 0:
         # No rows (routed_experts_prompt_start at the end): the engine puts
         # nothing, since Mooncake refuses empty objects; the reference alone
         # is the whole answer (its checksum is still verified).
         return np.empty(0, np.uint8)
-    store = _mooncake(ref.location)
-    data = store.get(ref.key)
-    if not data:
+    # A read that fails with the object present, or with the master not
+    # answering, is tried once more on a fresh client (see _forget_mooncake).
+    for attempt in (1, 2):
+        store = _mooncake(ref.location)
+        data = store.get(ref.key)
+        if data:
+            break
         exists = store.is_exist(ref.key)
         if exists == 0:
             raise RouteRefMissingError(
@@ -317,10 +333,12 @@ def _take_from_mooncake(ref: RoutedExpertsRef) -> np.ndarray:
                 f"{ref.location}: removed after the engine's ref_ttl_s, evicted "
                 "under memory pressure, or the engine stopped"
             )
-        raise RouteRefTransportError(
-            f"the Mooncake Store of master {ref.location} cannot be reached "
-            f"(is_exist returned {exists})"
-        )
+        _forget_mooncake(ref.location, store)
+        if attempt == 2:
+            raise RouteRefTransportError(
+                f"the Mooncake Store of master {ref.location} cannot be reached "
+                f"(is_exist returned {exists}, also on a fresh client)"
+            )
     if len(data) != ref.nbytes:
         raise RouteRefCorruptError(
             f"routes {ref.key}: {len(data)} bytes where the reference names "
