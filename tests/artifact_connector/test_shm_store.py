@@ -54,7 +54,13 @@ def arenas(path: str) -> list[str]:
 
 
 def files_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    """What a store's files take: their sizes, and for the index log the
+    pages allocated (it keeps some reserved beyond its end)."""
+    total = 0
+    for n in os.listdir(path):
+        st = os.stat(os.path.join(path, n))
+        total += max(st.st_size, st.st_blocks * 512 if n == "index.log" else 0)
+    return total
 
 
 @pytest.fixture
@@ -256,8 +262,9 @@ def test_retained_bytes_over_capacity_is_a_typed_error(shm_root):
 
 
 def test_capacity_is_a_hard_bound_counting_the_log(shm_root):
-    """Arenas (the spare included) plus the index log never exceed the
-    capacity, checked on disk after every operation."""
+    """Arenas (the spare included) plus the index log (its reserved pages
+    included) never exceed the capacity, checked on disk after every
+    operation."""
     cap = 96 << 10
     w = ShmStoreWriter(
         shm_root, make_namespace(), capacity_bytes=cap, arena_bytes=16 << 10
@@ -315,20 +322,55 @@ def tiny_tmpfs():
         yield mnt
 
 
-def test_full_dev_shm_is_a_typed_capacity_error(tiny_tmpfs):
+def test_full_dev_shm_evicts_the_stores_own_oldest_and_retries(tiny_tmpfs):
+    """A capacity far above what the file system holds: a full /dev/shm is a
+    second capacity. Puts keep succeeding, the oldest unretained arenas go
+    (counted), and what stays is intact."""
     w = ShmStoreWriter(
         tiny_tmpfs, make_namespace(), capacity_bytes=8 << 20, arena_bytes=64 << 10
     )
     r = ShmStoreReader(tiny_tmpfs, w.namespace)
     refs = []
-    with pytest.raises(StoreCapacityError, match="full"):
-        for i in range(200):
+    try:
+        for i in range(200):  # 1 MB of objects through a 256 KiB tmpfs
             refs.append(put(w, [(key(i), payload(i, 5000))]).refs[0])
             w.maintain()
-    # Everything acknowledged before the failure is intact and readable.
-    assert read(r, refs) == [payload(i, 5000) for i in range(len(refs))]
-    r.close()
-    w.close()
+        s = w.stats()
+        assert s.space_evictions > 0 and s.evicted_objects > 0, s
+        assert s.used_bytes < 256 << 10
+        assert read(r, refs[-10:]) == [payload(i, 5000) for i in range(190, 200)]
+        assert w.lookup([key(0)]) == [None]  # the oldest went
+    finally:
+        r.close()
+        w.close()
+
+
+def test_full_dev_shm_with_only_retained_objects_is_a_typed_capacity_error(
+    tiny_tmpfs,
+):
+    """When everything the store holds is retained by running requests, a
+    full /dev/shm fails the put with the typed error naming the fix; what
+    was acknowledged before stays intact and readable."""
+    w = ShmStoreWriter(
+        tiny_tmpfs, make_namespace(), capacity_bytes=8 << 20, arena_bytes=64 << 10
+    )
+    r = ShmStoreReader(tiny_tmpfs, w.namespace)
+    refs = []
+    try:
+        with pytest.raises(StoreCapacityError, match="full.*engines_per_node"):
+            for i in range(200):
+                refs.append(put(w, [(key(i), payload(i, 5000))]).refs[0])
+                w.retain("running", [key(i)])
+                w.maintain()
+        assert read(r, refs) == [payload(i, 5000) for i in range(len(refs))]
+        # Released, the next put evicts and succeeds.
+        w.release("running")
+        refs.append(put(w, [(key(999), payload(999, 5000))]).refs[0])
+        assert read(r, refs[-1:]) == [payload(999, 5000)]
+        assert w.stats().space_evictions > 0
+    finally:
+        r.close()
+        w.close()
 
 
 def test_full_dev_shm_on_the_index_log_leaves_log_and_index_agreeing(tiny_tmpfs):

@@ -172,6 +172,7 @@ class StoreStats:
     stores_collected: int = 0
     stores_recreated: int = 0  # removed behind the writer, started again
     arenas_lost: int = 0  # arena files deleted behind the writer
+    space_evictions: int = 0  # evictions because /dev/shm itself was full
     # backend mooncake: objects mirrored into the shared tier, pulled from
     # it (computed by other engines), its writes that failed, and shared
     # objects that failed their checks (authentication included)

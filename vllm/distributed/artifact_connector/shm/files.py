@@ -9,7 +9,6 @@ writer is proven gone (``collect.collect_store``)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 
 from vllm.distributed.artifact_connector.shm import log
@@ -19,6 +18,12 @@ from vllm.distributed.artifact_connector.shm.collect import (
     WriterIdentity,
     collect_store,
     remove_namespace,
+)
+from vllm.distributed.artifact_connector.shm.space import (
+    NO_SPACE,
+    log_reserve_bytes,
+    page_end,
+    reserve_log,
 )
 from vllm.distributed.artifact_connector.store import (
     StoreCapacityError,
@@ -39,7 +44,7 @@ logger = init_logger(__name__)
 def io_error(e: OSError, what: str) -> Exception:
     """The typed error for a failed write: a full file system is a capacity
     error, anything else an I/O error."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if e.errno in NO_SPACE:
         return StoreCapacityError(
             f"{what} failed: /dev/shm is full ({e}); free space there or lower "
             "the artifact store capacity"
@@ -49,14 +54,29 @@ def io_error(e: OSError, what: str) -> Exception:
 
 class StoreFiles:
     """The open descriptors of one store: its root, its directory, the
-    writer record and the index log (with the bytes each takes)."""
+    writer record and the index log (with the bytes each takes; the log
+    also keeps pages allocated beyond its end, see ``space``)."""
 
-    def __init__(self, root_arg: str, root: str, namespace: str) -> None:
+    def __init__(
+        self, root_arg: str, root: str, namespace: str, arena_bytes: int
+    ) -> None:
         self.root_arg = root_arg  # as configured; ``root`` is its real path
         self.root = root
         self.namespace = namespace
         self.root_fd = self.ns_fd = self.log_fd = self.writer_fd = -1
         self.log_size = self.record_bytes = 0
+        self.log_reserved = 0  # the log's pages are allocated up to here
+        # Kept allocated beyond the log's end; an ordinary append leaves at
+        # least half of it (an eviction's records: 64 bytes each).
+        self.log_reserve = log_reserve_bytes(arena_bytes)
+        # The most an append of n bytes grows the log's allocation by, past
+        # n (the writer makes that room in capacity first).
+        self.log_headroom = page_end(self.log_reserve) + page_end(1)
+
+    @property
+    def log_bytes(self) -> int:
+        """What the index log occupies, its reserved pages included."""
+        return max(self.log_size, self.log_reserved)
 
     def create(self, ttl_s: float) -> int:
         """Create the directory and files (at start, and again after they
@@ -130,6 +150,7 @@ class StoreFiles:
                 INDEX_FILE, self.ns_fd, create, "index log", error=UnsafeStoreError
             )
             self.log_size = write_all(self.log_fd, [log.header_bytes()], 0)
+            self.log_reserved = page_end(self.log_size)  # its page is taken
         except OSError as e:
             self.release()
             raise io_error(e, f"creating artifact store {namespace}") from e
@@ -138,12 +159,30 @@ class StoreFiles:
             raise
         return collected
 
-    def append_log(self, data: bytes) -> None:
+    def append_log(self, data: bytes, *, evicting: bool = False) -> None:
+        """Append ``data``. An ordinary append first makes sure that half
+        of ``log_reserve`` stays reserved beyond it (growing the reservation,
+        which fails when the file system is full); an eviction's append
+        (``evicting``) spends that spare instead."""
+        end = self.log_size + len(data)
+        spare = 0 if evicting else self.log_reserve // 2
+        if end + spare > self.log_reserved:
+            want = page_end(end + self.log_reserve)
+            try:
+                if reserve_log(self.log_fd, self.log_size, want - self.log_size):
+                    self.log_reserved = want
+            except OSError as e:
+                # An eviction may spend the spare; an ordinary append leaves
+                # it for the eviction that will make room.
+                if not evicting or end > self.log_reserved:
+                    raise io_error(
+                        e, "reserving room for the artifact index log"
+                    ) from e
         try:
             write_all(self.log_fd, [data], self.log_size)
         except OSError as e:
             raise io_error(e, "appending to the artifact index log") from e
-        self.log_size += len(data)
+        self.log_size = end
 
     def replace_log(self, tmp: str, data: list[bytes]) -> bool:
         """Write a compacted log (``data``) to the fresh file ``tmp`` and
@@ -167,6 +206,7 @@ class StoreFiles:
             return False
         os.close(self.log_fd)
         self.log_fd, self.log_size = fd, size
+        self.log_reserved = page_end(size)  # the next append reserves again
         return True
 
     def touch(self) -> None:
@@ -183,7 +223,7 @@ class StoreFiles:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self.log_fd = self.writer_fd = self.ns_fd = -1
-        self.log_size = self.record_bytes = 0
+        self.log_size = self.record_bytes = self.log_reserved = 0
         if self.root_fd >= 0:
             remove_namespace(self.root_fd, self.namespace)
             os.close(self.root_fd)

@@ -3,11 +3,14 @@
 """The reading side of a ``/dev/shm`` store (any process of its user).
 
 A reader rebuilds the index from the log and extends it with each new batch
-before a read; it maps arenas read-only, once, and drops a mapping when the
-log retires the arena. A read resolves exact versions, verifies every
-object's checksum over the mapped bytes, lets the caller check the objects'
-trailers, and only then copies: a failed read leaves the caller's buffer
-untouched. Values leave the store, never paths or mappings.
+before a read; it maps arenas read-only and drops a mapping when the log
+retires the arena. After a read it keeps only the newest
+:data:`KEEP_MAPPED` arenas mapped: an unlinked arena's pages are freed only
+once no process maps it, and the writer evicts its oldest arenas when
+``/dev/shm`` is full (``space``), which must free memory at once. A read
+resolves exact versions, verifies every object's checksum over the mapped
+bytes, lets the caller check the objects' trailers, and only then copies: a
+failed read leaves the caller's buffer untouched. Values leave the store, never paths or mappings.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ from vllm.distributed.artifact_connector.store import (
     checksum,
 )
 from vllm_host_transport.safe_fs import open_private_dir, open_private_file, shm_subdir
+
+#: Arenas a reader keeps mapped between reads (the newest ones: where the
+#: objects of running requests are).
+KEEP_MAPPED = 2
 
 
 class ShmStoreReader(ObjectStoreReader):
@@ -224,6 +231,10 @@ class ShmStoreReader(ObjectStoreReader):
             raise StoreIOError(
                 f"reading artifact store {self._namespace} failed: {e}"
             ) from e
+        finally:
+            if len(self._arenas) > KEEP_MAPPED:
+                for aid in sorted(self._arenas)[:-KEEP_MAPPED]:
+                    self._arenas.pop(aid).close()
 
     def _locate(self, keys: Sequence[str], checksums: np.ndarray) -> np.ndarray:
         """Slots of the exact versions, or the typed error for the first

@@ -52,8 +52,6 @@ from vllm.distributed.artifact_connector.shm.limits import (
     DEFAULT_COLLECT_INTERVAL_S,
     DEFAULT_INACTIVE_TTL_S,
     HEARTBEAT_INTERVAL_S,
-    MAX_ARENA_BYTES,
-    MIN_ARENA_BYTES,
     default_arena_bytes,
 )
 from vllm.distributed.artifact_connector.shm.repair import (
@@ -62,6 +60,11 @@ from vllm.distributed.artifact_connector.shm.repair import (
     lost_arenas,
 )
 from vllm.distributed.artifact_connector.shm.retention import Retention
+from vllm.distributed.artifact_connector.shm.space import (
+    check_room,
+    no_space,
+    when_full,
+)
 from vllm.distributed.artifact_connector.store import (
     ArtifactError,
     FillFn,
@@ -121,7 +124,6 @@ class ShmStoreWriter(ObjectStoreWriter):
             real_root = ensure_private_shm_dir(root, error=UnsafeStoreError)
         except OSError as e:
             raise io_error(e, f"creating the artifact store root {root}") from e
-        self._files = StoreFiles(root, real_root, namespace)
         self._namespace = namespace
         self._capacity = capacity_bytes
         if arena_bytes is None:
@@ -132,6 +134,7 @@ class ShmStoreWriter(ObjectStoreWriter):
                 f"artifact arenas of {arena_bytes} bytes need a capacity of at "
                 f"least twice that (an active and a spare arena), got {capacity_bytes}"
             )
+        self._files = StoreFiles(root, real_root, namespace, self._arena_bytes)
         self._ttl = inactive_ttl_s
         self._collect_interval = collect_interval_s
         self._index = Index()
@@ -152,39 +155,15 @@ class ShmStoreWriter(ObjectStoreWriter):
             "stores_collected": 0,
             "stores_recreated": 0,
             "arenas_lost": 0,
+            "space_evictions": 0,
         }
         self._last_collect = 0.0
         self._repair = RepairState()
         self._collect(force=True)
-        self._check_room()
+        check_room(self._files.root, self._arena_bytes)
         self._counts["stores_collected"] += self._files.create(self._ttl)
         self._last_heartbeat = time.monotonic()
         self._closed = False
-
-    def _check_room(self) -> None:
-        """Refuse to start where the file system cannot hold the two arenas
-        the store needs at once (a container's default 64 MiB ``/dev/shm``
-        and the default capacity): every request would fail otherwise."""
-        need = 2 * self._arena_bytes
-        root = self._files.root
-        try:
-            st = os.statvfs(root)
-        except OSError as e:
-            raise io_error(e, f"checking the free space under {root}") from e
-        free = st.f_bavail * st.f_frsize
-        if free >= need:
-            return
-        with contextlib.suppress(OSError):
-            os.rmdir(root)  # only if this writer just created it, empty
-        raise StoreCapacityError(
-            f"{root} has {free / (1 << 20):.1f} MiB free; the routed-experts "
-            f"store needs at least {need / (1 << 20):.1f} MiB to start (an active "
-            f"and a spare arena of {self._arena_bytes / (1 << 20):.1f} MiB). Give "
-            "/dev/shm more room (e.g. `docker run --shm-size=16g`, or a larger "
-            "memory-backed /dev/shm volume), or lower --artifact-config "
-            f"capacity_bytes (arenas are capacity/16, from {MIN_ARENA_BYTES >> 10} "
-            f"KiB to {MAX_ARENA_BYTES >> 20} MiB)."
-        )
 
     @property
     def namespace(self) -> str:
@@ -199,10 +178,10 @@ class ShmStoreWriter(ObjectStoreWriter):
             raise StoreClosedError(f"artifact store {self._namespace} is closed")
 
     def _used(self) -> int:
-        """Bytes on disk: arenas (the spare included), index log, writer
-        record."""
+        """Bytes on disk: arenas (the spare included), index log (its
+        reserved pages included), writer record."""
         arenas = sum(a.size for a in self._arenas.values())
-        return arenas + self._files.log_size + self._files.record_bytes
+        return arenas + self._files.log_bytes + self._files.record_bytes
 
     # ------------------------------------------------------------ put
     def put_batch(
@@ -295,14 +274,23 @@ class ShmStoreWriter(ObjectStoreWriter):
             np.array_equal(old.arr[o : o + ln], self._arenas[aid].arr[off : off + ln])
         )
 
-    def _append_log(self, recs: np.ndarray) -> None:
-        self._files.append_log(log.encode_batch(recs))
+    def _append_log(self, recs: np.ndarray, *, evicting: bool = False) -> None:
+        """Append one batch; an ordinary one evicts this store's oldest
+        arenas while the file system is full (``space.when_full``)."""
+        data = log.encode_batch(recs)
+        if evicting:
+            return self._files.append_log(data, evicting=True)
+        self._when_full(lambda: self._files.append_log(data))
+
+    def _when_full(self, op):
+        return when_full(op, self._evict_oldest, self._counts, self._files.root)
 
     # ------------------------------------------------------------ space
     def _reserve(self, nbytes: int, log_bytes: int) -> tuple[Arena, int]:
         """An arena region of ``nbytes`` for a batch whose index records
-        take ``log_bytes``; room for both is made first."""
-        self._make_room(log_bytes)
+        take ``log_bytes``; room for both (and the log's reserve) is made
+        first."""
+        self._make_room(log_bytes + self._files.log_headroom)
         a = self._active
         off = a.reserve(nbytes) if a is not None else None
         if a is not None and off is not None:
@@ -313,8 +301,8 @@ class ShmStoreWriter(ObjectStoreWriter):
             self._active = spare
             return spare, spare.reserve(nbytes) or 0
         size = max(self._arena_bytes, align(nbytes))
-        self._make_room(size + log_bytes)
-        arena = self._start_arena(size)
+        self._make_room(size + log_bytes + self._files.log_headroom)
+        arena = self._when_full(lambda: self._start_arena(size))
         self._counts["arenas_started_on_demand"] += 1
         self._active = arena
         return arena, arena.reserve(nbytes) or 0
@@ -341,17 +329,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         while self._used() + need + _EVICT_RECORD_BYTES > self._capacity:
             if self._compact_log_if_worthwhile(under_pressure=True):
                 continue
-            for aid in sorted(self._arenas):
-                arena = self._arenas[aid]
-                if arena is self._active:
-                    continue
-                if arena is self._spare:  # empty: unindexed, unlink directly
-                    self._spare = None
-                    self._unlink_arena(aid)
-                    break
-                if self._evict(aid):
-                    break
-            else:
+            if not self._evict_oldest():
                 retention = self._retention
                 raise StoreCapacityError(
                     f"artifact store full: {self._used()} of {self._capacity} "
@@ -360,6 +338,25 @@ class ShmStoreWriter(ObjectStoreWriter):
                     f"({retention.num_holds} retained objects); raise the "
                     "artifact capacity or lower the number of concurrent requests"
                 )
+
+    def _evict_oldest(self) -> bool:
+        """Evict the oldest arena that can go (never the active one; the
+        empty spare is unlinked when its turn comes). False if none can."""
+        for aid in sorted(self._arenas):
+            arena = self._arenas[aid]
+            if arena is self._active:
+                continue
+            if arena is self._spare:  # empty: unindexed, unlink directly
+                self._spare = None
+                self._unlink_arena(aid)
+                return True
+            try:
+                if self._evict(aid):
+                    return True
+            except StoreCapacityError as e:  # its records found no room
+                if not no_space(e):
+                    raise
+        return False
 
     def _evict(self, aid: int) -> bool:
         """Evict arena ``aid`` if its retained objects fit in the active
@@ -398,7 +395,7 @@ class ShmStoreWriter(ObjectStoreWriter):
                 )
             )
         parts.append(log.records(log.RETIRE, bytes(32), aid))
-        self._append_log(np.concatenate(parts))
+        self._append_log(np.concatenate(parts), evicting=True)
         if dst is not None:
             for s, d in zip(moves.tolist(), dst_offs):
                 idx.move(s, dst.aid, d)
@@ -533,7 +530,9 @@ class ShmStoreWriter(ObjectStoreWriter):
                         self._active = self._start_arena(self._arena_bytes)
                 if aid in self._arenas and not self._evict(aid):
                     # Its retained objects do not fit: drop them too.
-                    self._append_log(log.records(log.RETIRE, bytes(32), aid))
+                    self._append_log(
+                        log.records(log.RETIRE, bytes(32), aid), evicting=True
+                    )
                     self._counts["evicted_objects"] += self._index.drop_arena(aid)
                     self._unlink_arena(aid)
             except (ArtifactError, OSError) as e:
