@@ -31,7 +31,6 @@ import vllm.config.artifact as artifact_module
 import vllm.envs as envs
 from vllm.config import AuxOutputConfig, ModelConfig, VllmConfig
 from vllm.config.artifact import (
-    DEFAULT_CAPACITY_BYTES,
     MIN_CAPACITY_BYTES,
     MIN_INACTIVE_TTL_S,
     ArtifactConfig,
@@ -252,7 +251,7 @@ def test_without_flags_r3_is_off(parser, tiny_moe):
     cfg = _from_cli(parser, tiny_moe)
     assert cfg.artifact_config.enable_routed_experts is False
     assert cfg.aux_output_config.enabled is False
-    assert cfg.artifact_config.capacity_bytes == DEFAULT_CAPACITY_BYTES
+    assert cfg.artifact_config.capacity_bytes is None  # derived only with R3 on
     assert _build(tiny_moe).artifact_config.enable_routed_experts is False
 
 
@@ -610,6 +609,42 @@ def test_rejects_capacity_below_the_store_minimum(tiny_moe):
         _build_r3(tiny_moe, artifact_config={"capacity_bytes": MIN_CAPACITY_BYTES - 1})
     cfg = _build_r3(tiny_moe, artifact_config={"capacity_bytes": MIN_CAPACITY_BYTES})
     assert cfg.artifact_config.capacity_bytes == MIN_CAPACITY_BYTES
+
+
+def test_sizes_derived_from_the_node_for_the_engines_that_share_it(
+    tiny_moe, monkeypatch
+):
+    """Unset sizes come from /dev/shm (a 24 MiB tmpfs here) divided by the
+    engines that share it: half of it for all of them, 2/3 of each share
+    for the store, 1/3 for references; explicit values are kept."""
+    from utils.shm import small_tmpfs
+
+    monkeypatch.delenv("VLLM_ENGINES_PER_NODE", raising=False)
+    share = (24 << 20) // 2 // 4
+    with small_tmpfs("24m") as mnt:
+        root = os.path.join(mnt, "store")
+        four = {"shm_root": root, "engines_per_node": 4}
+        cfg = _build_r3(tiny_moe, artifact_config=four).artifact_config
+        assert cfg.capacity_bytes == share * 2 // 3
+        assert cfg.ref_max_bytes == share // 3
+        monkeypatch.setenv("VLLM_ENGINES_PER_NODE", "4")
+        env = _build_r3(tiny_moe, artifact_config={"shm_root": root})
+        assert env.artifact_config.capacity_bytes == share * 2 // 3
+        explicit = {**four, "capacity_bytes": 1 << 20, "ref_max_bytes": 12345}
+        cfg = _build_r3(tiny_moe, artifact_config=explicit).artifact_config
+        assert (cfg.capacity_bytes, cfg.ref_max_bytes) == (1 << 20, 12345)
+        with _rejects("$VLLM_ENGINES_PER_NODE must be a positive integer"):
+            monkeypatch.setenv("VLLM_ENGINES_PER_NODE", "eight")
+            _build_r3(tiny_moe, artifact_config={"shm_root": root})
+        monkeypatch.delenv("VLLM_ENGINES_PER_NODE")
+        # 24 MiB shared by 100 engines leaves each less than the smallest store.
+        with _rejects(f'{{"capacity_bytes": {MIN_CAPACITY_BYTES}}}') as e:
+            _build_r3(tiny_moe, artifact_config={**four, "engines_per_node": 100})
+        assert "--shm-size" in str(e.value)
+    # On a large /dev/shm the defaults stay at their caps.
+    big = _build_r3(tiny_moe, artifact_config={"engines_per_node": 1})
+    total = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    assert big.artifact_config.capacity_bytes == min(8 << 30, total // 2 * 2 // 3)
 
 
 @pytest.mark.parametrize("ttl", [0.0, MIN_INACTIVE_TTL_S - 1])

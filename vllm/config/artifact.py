@@ -20,10 +20,14 @@ from vllm.config.artifact_transfer import (
 )
 from vllm.config.utils import config
 from vllm.distributed.artifact_connector.shm.limits import (
-    DEFAULT_CAPACITY_BYTES,
     DEFAULT_INACTIVE_TTL_S,
     MIN_CAPACITY_BYTES,
     MIN_INACTIVE_TTL_S,
+)
+from vllm.distributed.artifact_connector.shm.sizing import (
+    DEFAULT_REF_MAX_BYTES,
+    engines_per_node,
+    node_sizes,
 )
 from vllm.logger import init_logger
 from vllm.utils.routed_experts_rows import RowSpec
@@ -52,9 +56,9 @@ MODELS_WITHOUT_PREFIX_CACHING = {
 }
 
 
-# Routes handed out by reference that may wait unfetched: 4 GiB (about 320
-# responses of 32k tokens of a 48-layer top-8 model), for 10 minutes.
-DEFAULT_REF_MAX_BYTES = 4 << 30
+# Routes handed out by reference that may wait unfetched: at most 4 GiB
+# (DEFAULT_REF_MAX_BYTES: about 320 responses of 32k tokens of a 48-layer
+# top-8 model; less on a small /dev/shm, see shm/sizing.py), for 10 minutes.
 DEFAULT_REF_TTL_S = 600.0
 DEFAULT_REF_HANDOFF_TIMEOUT_S = 5.0
 # The frontend's own deadline for a held request sums the engine's bounds.
@@ -97,11 +101,20 @@ class ArtifactConfig:
     the default one is held by another user, a fresh private directory next
     to it is used instead (with a warning)."""
 
-    capacity_bytes: int = Field(default=DEFAULT_CAPACITY_BYTES, gt=0)
+    capacity_bytes: int | None = Field(default=None, gt=0)
     """Bytes the store may use in ``/dev/shm`` (per engine and data-parallel
     rank), at least ``MIN_CAPACITY_BYTES`` (two of the smallest arenas); the
-    oldest unretained routes are evicted beyond it. A prefix-cache hit on
-    evicted routes fails that request with ``ObjectMissingError``."""
+    oldest unretained routes are evicted beyond it, and while ``/dev/shm``
+    itself is full. A prefix-cache hit on evicted routes fails that request
+    with ``ObjectMissingError``. ``None`` (the default): derived from the
+    node when the configuration is built, 2/3 of this engine's share of half
+    of ``/dev/shm`` (``engines_per_node``), at most 8 GiB."""
+
+    engines_per_node: int | None = Field(default=None, gt=0)
+    """How many engines (data-parallel ranks counted one each) share this
+    node's ``/dev/shm``, for the default ``capacity_bytes`` and
+    ``ref_max_bytes``. ``None``: ``$VLLM_ENGINES_PER_NODE``, else the node's
+    NVIDIA GPUs divided by the tensor-parallel size, else 1."""
 
     inactive_ttl_s: float = Field(default=DEFAULT_INACTIVE_TTL_S, ge=0)
     """A store whose writer cannot be proven alive or dead is removed after
@@ -127,10 +140,12 @@ class ArtifactConfig:
     ``VLLM_HOST_TRANSPORT_SCOPE`` environment variable, else one derived from
     this engine's login session."""
 
-    ref_max_bytes: int = Field(default=DEFAULT_REF_MAX_BYTES, gt=0)
+    ref_max_bytes: int | None = Field(default=None, gt=0)
     """Bytes of routes that may wait unfetched in the host transport; the
-    oldest are removed beyond it (their ``fetch`` then fails with
-    ``RouteRefMissingError``)."""
+    oldest are removed beyond it, and while ``/dev/shm`` is full (their
+    ``fetch`` then fails with ``RouteRefMissingError``). ``None`` (the
+    default): derived from the node, 1/3 of this engine's share of half of
+    ``/dev/shm``, at most 4 GiB (4 GiB with ``ref_transport: mooncake``)."""
 
     ref_ttl_s: float = Field(default=DEFAULT_REF_TTL_S, gt=0)
     """Seconds a reference's routes wait to be fetched before they are
@@ -240,7 +255,7 @@ def translate_routed_experts_args(args: "EngineArgs") -> None:
             "aux_output_config is deprecated in this build; routed experts are "
             "served by the Artifact Connector (use --enable-routed-experts)."
         )
-        if aux.max_bytes is not None and cfg.capacity_bytes == DEFAULT_CAPACITY_BYTES:
+        if aux.max_bytes is not None and cfg.capacity_bytes is None:
             cfg.capacity_bytes = aux.max_bytes
     args.artifact_config = cfg
     args.aux_output_config = AuxOutputConfig()
@@ -351,7 +366,7 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
             "does not support adaptive speculative verification",
             "turn enable_adaptive_verification off in --speculative-config",
         )
-    if cfg.capacity_bytes < MIN_CAPACITY_BYTES:
+    if cfg.capacity_bytes is not None and cfg.capacity_bytes < MIN_CAPACITY_BYTES:
         reject(
             f"needs a store capacity of at least {MIN_CAPACITY_BYTES} bytes "
             f"({MIN_CAPACITY_BYTES >> 10} KiB: two arenas of the smallest size "
@@ -375,8 +390,10 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
     if cfg.backend == "mooncake":
         check_key_space(cfg, vllm_config, reject)
     routed_experts_row_spec(vllm_config)  # the dtype fits the experts
-    # Last: it may create a directory (a fresh root).
+    # Last: it may create a directory (a fresh root); the sizes depend on
+    # the root's file system.
     _resolve_shm_root(cfg)
+    _size_from_node(cfg, parallel.tensor_parallel_size)
 
 
 def check_prefix_caching_for_routed_experts(vllm_config: "VllmConfig") -> None:
@@ -479,6 +496,40 @@ def _why_prefix_caching_is_off(vllm_config: "VllmConfig") -> tuple[str, str]:
             "drop the flag for this model",
         )
     return (need, "remove --no-enable-prefix-caching")
+
+
+def _size_from_node(cfg: ArtifactConfig, tensor_parallel_size: int) -> None:
+    """Fill in the sizes the user left unset from the node's ``/dev/shm``
+    and the engines that share it (``shm/sizing.py``); explicit values are
+    kept. Logged once, with where the engine count came from."""
+    if cfg.capacity_bytes is not None and (
+        cfg.ref_max_bytes is not None or cfg.ref_transport == "mooncake"
+    ):
+        cfg.ref_max_bytes = cfg.ref_max_bytes or DEFAULT_REF_MAX_BYTES
+        return
+    try:
+        engines, source = engines_per_node(cfg.engines_per_node, tensor_parallel_size)
+        sizes = node_sizes(cfg.shm_root, engines, source)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--enable-routed-experts: {e}") from None
+    if cfg.capacity_bytes is None:
+        cfg.capacity_bytes = sizes.capacity_bytes
+    if cfg.ref_max_bytes is None:
+        cfg.ref_max_bytes = (
+            DEFAULT_REF_MAX_BYTES
+            if cfg.ref_transport == "mooncake"
+            else sizes.ref_max_bytes
+        )
+    logger.info(
+        "Routed experts: /dev/shm (%s) holds %.1f GiB, shared by %d engines "
+        "(%s): capacity_bytes %d, ref_max_bytes %d",
+        cfg.shm_root,
+        sizes.shm_bytes / (1 << 30),
+        engines,
+        source,
+        cfg.capacity_bytes,
+        cfg.ref_max_bytes,
+    )
 
 
 def _resolve_shm_root(cfg: ArtifactConfig) -> None:

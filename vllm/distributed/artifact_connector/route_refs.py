@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm.distributed.artifact_connector.shm.sizing import DEFAULT_REF_MAX_BYTES
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
 from vllm_host_transport import (
@@ -160,7 +161,8 @@ class RouteRefs:
     """See the module docs."""
 
     def __init__(self, cfg: ArtifactConfig) -> None:
-        self._max_bytes = cfg.ref_max_bytes
+        # Set from the node by verify_artifact_config when left unset.
+        self._max_bytes = cfg.ref_max_bytes or DEFAULT_REF_MAX_BYTES
         self._ttl_s = cfg.ref_ttl_s
         # Payloads never seen to go, by key, oldest first.
         self._waiting: collections.OrderedDict[str, _Waiting] = (

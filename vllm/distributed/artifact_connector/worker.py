@@ -36,7 +36,10 @@ from vllm.distributed.artifact_connector.publisher import (
     ArtifactPublisher,
 )
 from vllm.distributed.artifact_connector.request_core import KeySpace
-from vllm.distributed.artifact_connector.shm import ShmStoreWriter
+from vllm.distributed.artifact_connector.shm import (
+    DEFAULT_CAPACITY_BYTES,
+    ShmStoreWriter,
+)
 from vllm.distributed.artifact_connector.store import ObjectStoreWriter
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
@@ -159,10 +162,12 @@ class ArtifactWorkerConnector:
         sched = vllm_config.scheduler_config
         _, block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         namespace = cfg.namespace(vllm_config.parallel_config.data_parallel_rank)
+        # Set from the node by verify_artifact_config when left unset.
+        capacity = cfg.capacity_bytes or DEFAULT_CAPACITY_BYTES
         writer: ObjectStoreWriter = ShmStoreWriter(
             cfg.shm_root,
             namespace,
-            capacity_bytes=cfg.capacity_bytes,
+            capacity_bytes=capacity,
             inactive_ttl_s=cfg.inactive_ttl_s,
         )
         if cfg.backend == "mooncake":
@@ -200,7 +205,7 @@ class ArtifactWorkerConnector:
             list(spec.row_shape),
             cfg.shm_root,
             namespace,
-            cfg.capacity_bytes / (1 << 30),
+            capacity / (1 << 30),
             slab.nbytes / (1 << 20),
         )
         return cls(capture, publisher)

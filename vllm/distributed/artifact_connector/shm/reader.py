@@ -10,7 +10,8 @@ once no process maps it, and the writer evicts its oldest arenas when
 ``/dev/shm`` is full (``space``), which must free memory at once. A read
 resolves exact versions, verifies every object's checksum over the mapped
 bytes, lets the caller check the objects' trailers, and only then copies: a
-failed read leaves the caller's buffer untouched. Values leave the store, never paths or mappings.
+failed read leaves the caller's buffer untouched. Values leave the store,
+never paths or mappings.
 """
 
 from __future__ import annotations
