@@ -106,7 +106,8 @@ lint: setup
 # modules names them), the tools as files.
 typecheck:
 	@$(VENV)/bin/mypy --cache-dir .cache/mypy $$($(VPY) tools/fork.py modules)
-	@$(VENV)/bin/mypy --cache-dir .cache/mypy tools/fork.py tools/build_tiny_moe.py \
+	@$(VENV)/bin/mypy --cache-dir .cache/mypy tools/fork.py tools/fork_workspace.py \
+		tools/build_tiny_moe.py \
 		tools/demo.py tools/serve.py tools/cpu_harness
 
 clean:

@@ -199,3 +199,40 @@ def test_materialize_writes_a_self_contained_tree():
         assert run_fork("materialize", str(out)).returncode == 1
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def test_workspace_round_trips_the_series_and_takes_a_new_commit(scratch):
+    """fork_workspace.py: the series as git commits, exported back unchanged;
+    a commit added in the workspace comes back as the next patch."""
+    repo, _ = scratch
+    shutil.copy(ROOT / "tools" / "fork_workspace.py", repo / "tools")
+    tool = repo / "tools" / "fork_workspace.py"
+    ws = repo / ".cache" / "ws"
+    before = {p.name: p.read_text() for p in (repo / "patches").glob("*.patch")}
+    assert run_fork("init", str(ws), fork=tool).returncode == 0
+    assert run_fork("export", str(ws), fork=tool).returncode == 0
+    after = {p.name: p.read_text() for p in (repo / "patches").glob("*.patch")}
+    assert after.keys() == before.keys()
+    # Only the blank line before "---" is normalised.
+    norm = {n: t.replace("\n\n---\n", "\n---\n") for n, t in after.items()}
+    assert norm == {n: t.replace("\n\n---\n", "\n---\n") for n, t in before.items()}
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ws), *args], capture_output=True, text=True, check=True
+        ).stdout
+
+    # A new commit on top (no "Patch:" line) becomes the next patch, and the
+    # series still applies exactly.
+    outputs = ws / "vllm" / "outputs.py"
+    outputs.write_text(outputs.read_text() + "# a change of the workspace\n")
+    git("commit", "-q", "-am", "Subject: outputs: a comment\n\nWhy: a test.")
+    assert run_fork("export", str(ws), fork=tool).returncode == 0
+    series = (repo / "patches" / "series").read_text().split()
+    assert len(series) == len(before) + 1
+    assert series[-1] == f"{len(series):04d}-outputs-a-comment.patch"
+    text = (repo / "patches" / series[-1]).read_text()
+    assert text.startswith("Subject: outputs: a comment\n\nWhy: a test.\n\n---\n")
+    assert "+# a change of the workspace" in text
+    proc = run_fork("check", "--base", "cpu", fork=repo / "tools" / "fork.py")
+    assert proc.returncode == 0, proc.stderr
