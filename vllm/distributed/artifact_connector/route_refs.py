@@ -18,7 +18,10 @@ What nobody fetches is bounded: a payload leaves after ``ref_ttl_s``, the
 oldest ones leave while more than ``ref_max_bytes`` or
 :data:`MAX_WAITING_REFS` wait, and everything left goes when the engine
 stops (a killed engine's host payloads are removed by the next engine or
-fetch in the scope, see ``vllm_host_transport/liveness.py``). The expiry
+fetch in the scope, see ``vllm_host_transport/liveness.py``). When a host
+put fails because ``/dev/shm`` itself is full (the engines of a node share
+it), this engine's oldest unfetched payloads are removed, one at a time,
+and the put tried again. The expiry
 pass (:meth:`RouteRefs.expire`, every second) also learns which host
 payloads were fetched, so ``waiting_bytes`` counts only what really waits.
 Retiring a payload that was fetched is a no-op. Used by the hand-off thread
@@ -28,6 +31,8 @@ only (``route_handoff.py``); counters are read by the engine's.
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -59,6 +64,18 @@ class RouteRefPublishError(ArtifactError):
     """Routes could not be handed out by reference."""
 
 
+class _NoSpaceError(RouteRefPublishError):
+    """The file system under the host transport is full (``/dev/shm``,
+    shared with the other engines of the node)."""
+
+
+#: A failed host put with less than this beyond the payload free in
+#: ``/dev/shm`` is taken for a full file system (the transport reports no
+#: cause): a payload's frame and segment header take a few hundred bytes,
+#: and tmpfs allocates whole pages.
+_NO_SPACE_SLACK = 64 << 10
+
+
 class _HostSink:
     """The host transport of this node."""
 
@@ -84,9 +101,16 @@ class _HostSink:
         except HostTransportError as e:
             raise RouteRefPublishError(f"the host transport failed: {e}") from e
         if not ok:
-            raise RouteRefPublishError(
+            error = RouteRefPublishError
+            with contextlib.suppress(OSError, HostTransportError):
+                st = os.statvfs(self._conn.scope_dir)
+                if st.f_bavail * st.f_frsize < rows.nbytes + _NO_SPACE_SLACK:
+                    error = _NoSpaceError
+            raise error(
                 f"the host transport (scope {self.location!r}) refused a "
-                f"{rows.nbytes}-byte payload; see the engine log"
+                f"{rows.nbytes}-byte payload"
+                + ("; /dev/shm is full" if error is _NoSpaceError else "")
+                + "; see the engine log"
             )
 
     def retire(self, key: str) -> bool:
@@ -171,6 +195,7 @@ class RouteRefs:
         self.waiting_bytes = 0
         self.published = 0
         self.expired = 0
+        self.space_evictions = 0  # removed early because /dev/shm was full
         self._sink: _HostSink | _MooncakeSink = (
             _MooncakeSink(cfg)
             if cfg.ref_transport == "mooncake"
@@ -193,7 +218,22 @@ class RouteRefs:
         ):
             self._retire(waiting.popitem(last=False)[1])
         key = secrets.token_hex(16)
-        self._sink.put(key, rows)
+        while True:
+            try:
+                self._sink.put(key, rows)
+                break
+            except _NoSpaceError as e:
+                # /dev/shm is full (other engines, other files): this
+                # engine's oldest unfetched payloads go first, as beyond
+                # ref_max_bytes.
+                if not waiting:
+                    raise RouteRefPublishError(
+                        f"{e}, and this engine has no unfetched references left "
+                        "to remove; give /dev/shm more room or size the engines "
+                        "that share it (engines_per_node, $VLLM_ENGINES_PER_NODE)"
+                    ) from e
+                self._retire(waiting.popitem(last=False)[1])
+                self.space_evictions += 1
         waiting[key] = _Waiting(key, rows.nbytes, time.monotonic() + self._ttl_s)
         self.waiting_bytes += rows.nbytes
         self.published += 1

@@ -4,8 +4,8 @@
 
 A reader rebuilds the index from the log and extends it with each new batch
 before a read; it maps arenas read-only and drops a mapping when the log
-retires the arena. After a read it keeps only the newest
-:data:`KEEP_MAPPED` arenas mapped: an unlinked arena's pages are freed only
+retires the arena. After a read it keeps only the newest arena mapped
+(:data:`KEEP_MAPPED`): an unlinked arena's pages are freed only
 once no process maps it, and the writer evicts its oldest arenas when
 ``/dev/shm`` is full (``space``), which must free memory at once. A read
 resolves exact versions, verifies every object's checksum over the mapped
@@ -39,9 +39,10 @@ from vllm.distributed.artifact_connector.store import (
 )
 from vllm_host_transport.safe_fs import open_private_dir, open_private_file, shm_subdir
 
-#: Arenas a reader keeps mapped between reads (the newest ones: where the
-#: objects of running requests are).
-KEEP_MAPPED = 2
+#: Arenas a reader keeps mapped between reads: the newest (the writer's
+#: active one, where the objects of running requests are); a read of older
+#: objects maps their arenas again, for that read.
+KEEP_MAPPED = 1
 
 
 class ShmStoreReader(ObjectStoreReader):
