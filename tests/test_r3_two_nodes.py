@@ -14,9 +14,10 @@ node's address, the key space's secret in a 0600 file) and
 filesystem).
 
 - Engine B's hits on KV engine A computed load that KV and return A's
-  routes, pulled over the veth.
+  routes, pulled through the master on node A.
 - References engine A handed out are fetched on node B by the trainer
-  (``vllm_host_transport.routed_experts.fetch``, neither vLLM nor torch).
+  (``vllm_host_transport.routed_experts.fetch``, neither vLLM nor torch),
+  one of them at least from node A's memory.
 - The master restarted: both engines serve exactly meanwhile, sharing and
   references come back; the master frozen (SIGSTOP): both engines serve
   exactly without waiting for it, sharing comes back after SIGCONT.
@@ -36,7 +37,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from utils.nodes import EngineOnNode, NodeMaster, TrainerOnNode, two_nodes, unavailable
+from utils.nodes import (
+    EngineOnNode,
+    NodeMaster,
+    TrainerOnNode,
+    replica_hosts,
+    two_nodes,
+    unavailable,
+)
 from utils.oracle import expected_r3
 from utils.r3 import PROMPTS, SHARED_PREFIX, assert_exact
 
@@ -48,9 +56,10 @@ mooncake = pytest.importorskip(
 
 KEY_SPACE = "test-two-nodes"
 BLOCK = 32
-# A pull crosses the veth to the other node's segment: about 0.1 s here,
-# but 1.4-4.3 s when other suites loaded the 2 cores (load average 3.5),
-# past the default 1 s (the KV is then recomputed, exact, but not loaded).
+# A pull asks the master on the other node and reads the segments of
+# either: about 0.1 s here, but 1.4-4.3 s when other suites loaded the 2
+# cores (load average 3.5), past the default 1 s (the KV is then
+# recomputed, exact, but not loaded).
 PULL_TIMEOUT_S = 3.0
 LOGS = Path(__file__).resolve().parents[1] / ".cache" / "logs"
 
@@ -118,8 +127,8 @@ def engines(nodes, master, tiny_moe, tmp_path_factory):
             started.append(EngineOnNode(node, spec, log, env))
         for engine in started:
             engine.wait_ready()
-        # The first pull opens B's connection to A's segment: exact either
-        # way, loaded once it is open.
+        # The first pulls open B's connections to the other segments: exact
+        # either way, loaded once they are open.
         a, b = started
         t0 = time.monotonic()
         tries = _sharing_comes_back(a, b, tiny_moe, "warm-up", 60)
@@ -225,8 +234,9 @@ def test_the_nodes_share_only_the_veth(nodes, engines, master):
 
 def test_hits_on_kv_engine_a_computed(engines, tiny_moe):
     """Engine B loads the KV engine A computed (whole blocks before the last
-    prompt token) and returns A's routes for them, pulled from A's segment
-    over the veth: every row equal to the router."""
+    prompt token) and returns A's routes for them, pulled through the master
+    on node A (from whichever node's segment Mooncake placed them in):
+    every row equal to the router."""
     a, b = engines
     prompts = _prompts("nodes")
     pulled = _pulled(b)
@@ -242,14 +252,26 @@ def test_hits_on_kv_engine_a_computed(engines, tiny_moe):
     assert _pulled(b) == pulled + blocks
 
 
-def test_references_fetched_on_node_b(engines, trainer, master, tiny_moe):
+def test_references_fetched_on_node_b(nodes, engines, trainer, master, tiny_moe):
     """References engine A handed out name A's master; the trainer on node
-    B fetches them from A's segment over the veth, equal to the router, as
-    often as it likes until they are removed."""
+    B fetches them, equal to the router, as often as it likes until they
+    are removed. Mooncake places each object in any engine's segment, on
+    either node: A hands out references until one lies in node A's memory,
+    so that a fetch crosses the veth."""
+    _, node_b = nodes
     a, _ = engines
-    outs = a.generate(PROMPTS[:3], 8, format="ref")
-    for out in outs:
-        _assert_fetched_exact(trainer, tiny_moe, master, out)
+    where: dict[str, list[str]] = {}
+    for _ in range(5):
+        outs = a.generate(PROMPTS, 8, format="ref")
+        for out in outs:
+            _assert_fetched_exact(trainer, tiny_moe, master, out)
+        keys = [o.outputs[0].routed_experts_ref["key"] for o in outs]
+        where.update(replica_hosts(node_b, master.address, keys))
+        if any(master.host in hosts for hosts in where.values()):
+            break
+    on_a = [k for k, hosts in where.items() if master.host in hosts]
+    print(f"references fetched on node B: {len(on_a)} of {len(where)} from node A")
+    assert on_a, f"no reference lay in node A's memory: {where}"
     _assert_fetched_exact(trainer, tiny_moe, master, outs[0])
     # An object the store does not have: a typed error, across the nodes too.
     gone = dict(outs[0].outputs[0].routed_experts_ref, key="0" * 32)

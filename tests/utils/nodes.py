@@ -207,6 +207,36 @@ def wait_listening(node: Node, host: str, port: int, timeout_s: float = 30) -> b
     return r.returncode == 0
 
 
+# Where a Mooncake Store holds objects: the transfer endpoints of each key's
+# replicas, by a client of its own (it contributes no memory).
+_LOCATE = r"""
+import json, sys
+from mooncake.store import MooncakeDistributedStore
+me, master, keys = sys.argv[1], sys.argv[2], sys.argv[3:]
+store = MooncakeDistributedStore()
+assert store.setup(me, "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", master) == 0
+where = {}
+for key in keys:
+    where[key] = [
+        r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+        for r in store.get_replica_desc(key) if r.is_memory_replica()
+    ]
+store.close()
+print(json.dumps(where))
+"""
+
+
+def replica_hosts(node: Node, master: str, keys: list[str]) -> dict[str, list[str]]:
+    """The addresses of the nodes whose memory holds each key's replicas
+    (asked from inside ``node``)."""
+    assert node.ip is not None
+    env = dict(os.environ, MC_FORCE_TCP="true")
+    r = node.run([sys.executable, "-c", _LOCATE, node.ip, master, *keys], env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    where = json.loads(r.stdout.strip().splitlines()[-1])
+    return {k: [e.rsplit(":", 1)[0] for e in v] for k, v in where.items()}
+
+
 class NodeMaster:
     """A ``mooncake_master`` inside ``node``, listening on the node's address
     only (RPC and metrics); stopped and started again on the same port."""
