@@ -142,22 +142,22 @@ def test_an_abort_the_engine_never_answers_ends_with_the_reason(engine):
     terminal output (here: the abort held in the frontend is never sent),
     the request ends at its deadline without routes, saying why, instead of
     waiting forever."""
-    from vllm.distributed.artifact_connector.frontend import (
-        abort_items,
-        expire_pending_aborts,
-        hold_abort,
-    )
+    from vllm.distributed.artifact_connector import frontend
+    from vllm.distributed.artifact_connector.protocol import abort_items
 
     ids = engine.tokens(PROMPTS[1])
 
     async def scenario():
         task = await _running(engine, ids, 400, "unanswered", 2)
-        op = engine.llm.output_processor
-        (internal,) = op.external_req_ids["unanswered"]
-        state = op.request_states[internal]
-        assert hold_abort(state)
-        state.pending_abort_deadline = 0.0  # long past
-        expire_pending_aborts(op, [internal])
+        routes = engine.llm.output_processor.routed_experts
+        (internal,) = engine.llm.output_processor.external_req_ids["unanswered"]
+        wait_s = frontend.ABORT_WAIT_S
+        frontend.ABORT_WAIT_S = 0.0  # the deadline is now
+        try:
+            assert routes.hold_abort(internal, client_gone=False)
+        finally:
+            frontend.ABORT_WAIT_S = wait_s
+        routes.expire([internal])
         out = await asyncio.wait_for(task, 30)
         # The frontend is done with it; the engine gets the abort now.
         await engine.llm.engine_core.abort_requests_async(

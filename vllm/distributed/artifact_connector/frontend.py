@@ -13,9 +13,10 @@ the frontend, and both keep the request until that output arrives:
 
 The engine's terminal output then carries routes for every token it
 executed; the tokens computed past the frontend's end are dropped and the
-routes cut to the tokens returned (:func:`finish_pending`). An abort whose
-caller is gone (a client disconnect) is sent to the engine as such
-(:func:`abort_items`): nothing is read for it.
+routes cut to the tokens returned. An abort whose caller is gone (a client
+disconnect) is sent to the engine as such (``protocol.abort_items``):
+nothing is read for it. :class:`RoutedExpertsFrontend` is the one object
+upstream's frontend holds for this.
 
 Also here: :func:`remove_dead_stores`, run once the engine processes are
 stopped.
@@ -23,21 +24,26 @@ stopped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from vllm.config.artifact import MAX_REF_HANDOFF_TIMEOUT_S
-from vllm.distributed.artifact_connector.protocol import ACK_TIMEOUT_S, READ_TIMEOUT_S
+from vllm.distributed.artifact_connector.protocol import (
+    ACK_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    abort_items,
+)
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
     from vllm.v1.engine.output_processor import OutputProcessor, RequestState
 
 logger = init_logger(__name__)
@@ -64,48 +70,6 @@ class ArtifactAbortTimeout(ArtifactError):
     string) did not come from the engine."""
 
 
-# ---------------------------------------------------------------- aborts
-def abort_items(req_ids: Iterable[str], caller_waits: bool) -> list[Any]:
-    """The ABORT payload for the engine: a request id where a caller waits
-    for the routes, ``[request id, False]`` where it is gone."""
-    if caller_waits:
-        return list(req_ids)
-    return [[req_id, False] for req_id in req_ids]
-
-
-def engine_abort_items(
-    processor: OutputProcessor, req_ids: list[str]
-) -> tuple[list[Any], list[str]]:
-    """After ``processor.abort_requests``: the ABORT payload for the engine
-    and the ids the frontend holds for their routes. Only those are sent as
-    requests whose caller waits; the frontend already answered the others
-    (a caller gone, or aborted before its first token), so the engine reads
-    nothing for them even if a token was on its way."""
-    states = processor.request_states
-    held = [r for r in req_ids if (st := states.get(r)) is not None and is_pending(st)]
-    kept = set(held)
-    return abort_items(held, True) + abort_items(
-        [r for r in req_ids if r not in kept], False
-    ), held
-
-
-def abort_item_id(item: Any) -> str:
-    """The request id of one :func:`abort_items` entry."""
-    return item if isinstance(item, str) else item[0]
-
-
-def split_abort_items(items: Iterable[Any]) -> tuple[list[str], list[str]]:
-    """(every request id, the ids whose caller is gone)."""
-    ids, gone = [], []
-    for item in items:
-        if isinstance(item, str):
-            ids.append(item)
-        else:
-            ids.append(item[0])
-            gone.append(item[0])
-    return ids, gone
-
-
 # Why a request the engine ended with an error of its own carries no routes.
 ENGINE_ERROR_WITHOUT_ROUTES = (
     "ArtifactError: the engine ended the request with an error before its "
@@ -119,12 +83,168 @@ ABORTED_BEFORE_FIRST_TOKEN = (
 )
 
 
-def routes_missing_reason(
+@dataclass
+class _Held:
+    """A request the frontend ended that waits for the engine's terminal
+    output."""
+
+    stop: str | None  # the stop string that ended it; None: an abort
+    past: int = 0  # tokens the engine computed past the frontend's end
+    deadline: float | None = None  # set once the abort reached the engine
+
+
+class RoutedExpertsFrontend:
+    """The frontend's side of routed experts: one per ``OutputProcessor``
+    (its ``routed_experts``, set by :meth:`attach`), holding the one record
+    of each request the frontend ended that waits for its routes. The
+    output processor, ``AsyncLLM`` and ``LLMEngine`` call it at their hook
+    points; it reads their public state and never finishes a request
+    itself: an expired one is finished through the ordinary output path."""
+
+    def __init__(self, processor: OutputProcessor) -> None:
+        self._processor = processor
+        self._held: dict[str, _Held] = {}
+
+    @classmethod
+    def attach(cls, processor: OutputProcessor, vllm_config: VllmConfig) -> None:
+        """Give ``processor`` its frontend when R3 is on."""
+        if vllm_config.artifact_config.enable_routed_experts:
+            processor.routed_experts = cls(processor)
+
+    # ------------------------------------------------ the output processor
+    def take_output(self, req_state: RequestState, output: EngineCoreOutput) -> bool:
+        """Called first for each engine output of a live request: whether
+        the output processor handles it. A held request's earlier outputs
+        are dropped (their tokens lie past the frontend's end); its terminal
+        one is rewritten into the frontend's finish (:meth:`_finish_held`).
+        Sets the request's ``routed_experts_error``."""
+        held = self._held.get(req_state.request_id)
+        if held is not None:
+            held.past += len(output.new_token_ids)
+            if not output.finished:
+                return False
+            del self._held[req_state.request_id]
+            _finish_held(held, output)
+        if output.artifact_error is not None:
+            req_state.routed_experts_error = output.artifact_error
+        else:
+            req_state.routed_experts_error = _routes_missing_reason(req_state, output)
+        return True
+
+    def at_stop_string(
+        self, req_state: RequestState, output: EngineCoreOutput, stop: str, past: int
+    ) -> tuple[FinishReason | None, str | None]:
+        """The detokenizer found ``stop`` (``past`` tokens of ``output`` lie
+        beyond it): the finish of a terminal output (a stop string whose
+        routes failed is an error), else ``(None, None)`` and the request
+        is held until the engine's terminal output, which the output
+        processor asks for by aborting it."""
+        from vllm.v1.engine import FinishReason
+
+        if output.finished:
+            ok = output.artifact_error is None
+            return (FinishReason.STOP if ok else FinishReason.ERROR), stop
+        self._held[req_state.request_id] = _Held(stop, past)
+        return None, None
+
+    def hold_abort(self, req_id: str, client_gone: bool) -> bool:
+        """An explicit abort of ``req_id``: whether the request is kept until
+        the engine's terminal output brings the routes of the tokens it
+        returned (with a deadline). Not when its caller is gone, nor when it
+        returned no token (it then ends saying why)."""
+        processor = self._processor
+        req_state = processor.request_states.get(req_id)
+        if req_state is None or client_gone:
+            self._held.pop(req_id, None)  # upstream's abort ends it now
+            return False
+        held = self._held.get(req_id)
+        if held is None:
+            detok = req_state.detokenizer
+            if detok is None or detok.num_output_tokens() == 0:
+                req_state.routed_experts_error = ABORTED_BEFORE_FIRST_TOKEN
+                return False
+            held = self._held[req_id] = _Held(None)
+        if held.deadline is None:
+            held.deadline = time.monotonic() + ABORT_WAIT_S
+        # It stays known by its external id until its terminal output.
+        mapped = processor.external_req_ids[req_state.external_req_id]
+        if req_id not in mapped:
+            mapped.append(req_id)
+        return True
+
+    # ------------------------------------------------ AsyncLLM, LLMEngine
+    def engine_abort_items(self, req_ids: list[str]) -> list[Any]:
+        """After ``OutputProcessor.abort_requests``: the ABORT payload for
+        the engine. Only the requests held for their routes are sent as
+        requests whose caller waits (their deadline is set; :meth:`expire`
+        runs at it); the frontend already answered the others (a caller
+        gone, or aborted before its first token), so the engine reads
+        nothing for them even if a token was on its way."""
+        held = [r for r in req_ids if r in self._held]
+        kept = set(held)
+        self._expire_later(held)
+        return abort_items(held, True) + abort_items(
+            [r for r in req_ids if r not in kept], False
+        )
+
+    def hold_stops(self, req_ids: list[str]) -> None:
+        """``AsyncLLM``, after it sent the aborts of requests that ended at a
+        stop string: each one held for its routes gets the abort's deadline
+        (:meth:`expire` runs at it)."""
+        deadline = time.monotonic() + ABORT_WAIT_S
+        started = []
+        for req_id in req_ids:
+            held = self._held.get(req_id)
+            if held is not None and held.deadline is None:
+                held.deadline = deadline
+                started.append(req_id)
+        self._expire_later(started)
+
+    def _expire_later(self, req_ids: list[str]) -> None:
+        # Only AsyncLLM holds requests with a deadline: it runs in a loop.
+        if req_ids:
+            asyncio.get_running_loop().call_later(
+                ABORT_WAIT_S + 0.1, self.expire, req_ids
+            )
+
+    def expire(self, req_ids: list[str]) -> None:
+        """Finish the requests among ``req_ids`` still held past their
+        deadline (the engine never answered): without routes, saying why,
+        through the output processor's own path, as if the engine had sent
+        that terminal output (an abort stays an abort; a stop string without
+        routes is an error)."""
+        from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+        now = time.monotonic()
+        outputs = []
+        for req_id in req_ids:
+            held = self._held.get(req_id)
+            if held is None or held.deadline is None or now < held.deadline:
+                continue
+            what = "abort" if held.stop is None else "stop string"
+            error = ArtifactAbortTimeout(
+                f"the engine sent no terminal output within {ABORT_WAIT_S:g} s "
+                f"of the {what}, so the request carries no routes"
+            )
+            logger.error("request %s: %s", req_id, error)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [],
+                    finish_reason=FinishReason.ABORT,
+                    artifact_error=f"{type(error).__name__}: {error}",
+                )
+            )
+        if outputs:
+            self._processor.process_outputs(outputs)
+
+
+def _routes_missing_reason(
     req_state: RequestState, output: EngineCoreOutput
 ) -> str | None:
     """The reason a terminal output without routes (and without the engine's
     own reason) gives: an abort by the engine (a pause, a shutdown) of a
-    request that had returned no token. None otherwise (or if set)."""
+    request that had returned no token. The request's reason otherwise."""
     from vllm.v1.engine import FinishReason
 
     if (
@@ -139,118 +259,35 @@ def routes_missing_reason(
     return ABORTED_BEFORE_FIRST_TOKEN
 
 
-def hold_abort(req_state: RequestState) -> bool:
-    """An explicit abort of a request that returned tokens: keep it until
-    the engine's terminal output brings the routes (returns True), with a
-    deadline. A request aborted before its first token has no routes to
-    wait for (False)."""
-    if req_state.pending_abort_deadline is not None:
-        return True  # aborted twice
-    if req_state.pending_stop is not None:
-        return True  # already ends at its stop string
-    detok = req_state.detokenizer
-    if detok is None or detok.num_output_tokens() == 0:
-        req_state.routed_experts_error = ABORTED_BEFORE_FIRST_TOKEN
-        return False
-    req_state.pending_abort_deadline = time.monotonic() + ABORT_WAIT_S
-    return True
-
-
-def hold_stops(processor: OutputProcessor, req_ids: list[str]) -> list[str]:
-    """After the aborts of requests that ended at a stop string were sent:
-    give each one held for its routes the abort's deadline; returns their
-    ids (for :func:`expire_pending_aborts`)."""
-    deadline = time.monotonic() + ABORT_WAIT_S
-    held = []
-    for req_id in req_ids:
-        req_state = processor.request_states.get(req_id)
-        if (
-            req_state is not None
-            and req_state.pending_stop is not None
-            and req_state.pending_abort_deadline is None
-        ):
-            req_state.pending_abort_deadline = deadline
-            held.append(req_id)
-    return held
-
-
-def expire_pending_aborts(processor: OutputProcessor, req_ids: list[str]) -> None:
-    """Finish the requests among ``req_ids`` that still wait for the engine
-    past their deadline (an abort, or a stop string: :func:`hold_stops`),
-    without routes and saying why (AsyncLLM calls this once the deadline has
-    passed). A stop string without routes is an error, as in
-    :func:`finish_pending`."""
+def _finish_held(held: _Held, output: EngineCoreOutput) -> None:
+    """Rewrite the terminal output of a held request into the frontend's
+    finish: no tokens, routes cut to the tokens returned."""
     from vllm.v1.engine import FinishReason
 
-    now = time.monotonic()
-    for req_id in req_ids:
-        req_state = processor.request_states.get(req_id)
-        deadline = None if req_state is None else req_state.pending_abort_deadline
-        if req_state is None or deadline is None or now < deadline:
-            continue
-        stop = req_state.pending_stop
-        error = ArtifactAbortTimeout(
-            f"the engine sent no terminal output within {ABORT_WAIT_S:g} s of "
-            f"the {'stop string' if stop is not None else 'abort'}, so the "
-            "request carries no routes"
-        )
-        logger.error("request %s: %s", req_id, error)
-        req_state.pending_abort_deadline = None
-        req_state.pending_stop = None
-        req_state.routed_experts_error = f"{type(error).__name__}: {error}"
-        reason = FinishReason.ABORT if stop is None else FinishReason.ERROR
-        output = req_state.make_request_output([], None, reason, stop, None, None)
-        if output is not None and req_state.queue is not None:
-            req_state.queue.put(output)
-        processor.lora_states.request_finished(req_id, req_state.lora_name)
-        processor._finish_request(req_state)
-
-
-def is_pending(req_state: RequestState) -> bool:
-    return (
-        req_state.pending_stop is not None
-        or req_state.pending_abort_deadline is not None
-    )
-
-
-def finish_pending(req_state: RequestState, output: EngineCoreOutput) -> bool:
-    """For a request the frontend ended (stop string or abort) that waits
-    for its routes: returns whether ``output`` is the final one, rewritten
-    into the frontend's finish (no tokens, routes cut to the returned
-    tokens); earlier outputs only count the tokens past the end."""
-    from vllm.v1.engine import FinishReason
-
-    num_past = req_state.num_tokens_past_stop + len(output.new_token_ids)
-    if not output.finished:
-        req_state.num_tokens_past_stop = num_past
-        return False
     output.new_token_ids = []
     output.new_logprobs = None
     output.new_sampling_mask = None
-    if req_state.pending_stop is None:  # an abort, routes or not
+    if held.stop is None:  # an abort, routes or not
         output.finish_reason = FinishReason.ABORT
         output.stop_reason = None
     elif output.artifact_error is None and output.finish_reason != FinishReason.ERROR:
         output.finish_reason = FinishReason.STOP
-        output.stop_reason = req_state.pending_stop
+        output.stop_reason = held.stop
     else:  # no routes: fail like any other finish whose routes failed
         if output.artifact_error is None:  # the engine failed it otherwise
             output.artifact_error = ENGINE_ERROR_WITHOUT_ROUTES
         output.finish_reason = FinishReason.ERROR
     # Every token the engine executed reached the frontend before this
-    # output, so the routes end num_past rows after the returned tokens.
+    # output, so the routes end held.past rows after the returned tokens.
     if output.routed_experts is not None:
-        keep = max(0, len(output.routed_experts) - num_past)
+        keep = max(0, len(output.routed_experts) - held.past)
         output.routed_experts = output.routed_experts[:keep]
     ref = output.routed_experts_ref
     if ref is not None:  # the stored array stays whole; fetch returns these
         rows, layers, top_k = ref.shape
         output.routed_experts_ref = msgspec.structs.replace(
-            ref, shape=(max(0, rows - num_past), layers, top_k)
+            ref, shape=(max(0, rows - held.past), layers, top_k)
         )
-    req_state.pending_stop = None
-    req_state.pending_abort_deadline = None
-    return True
 
 
 # ---------------------------------------------------------------- shutdown

@@ -23,7 +23,9 @@ store's counters (for the metrics, see ``metrics.py``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -232,3 +234,31 @@ class ArtifactWorkerReport:
 
     def is_empty(self) -> bool:
         return not (self.acks or self.failures or self.stats or self.pulled)
+
+
+# ------------------------------------------------------------------ aborts
+# The ABORT payload the frontend sends the engine core: a request id where a
+# caller waits for the routes of the tokens it was sent, ``[id, False]``
+# where the caller is gone (the engine then reads nothing for it).
+def abort_items(req_ids: Iterable[str], caller_waits: bool) -> list[Any]:
+    """ABORT payload entries for ``req_ids`` (see above)."""
+    if caller_waits:
+        return list(req_ids)
+    return [[req_id, False] for req_id in req_ids]
+
+
+def abort_item_id(item: Any) -> str:
+    """The request id of one :func:`abort_items` entry."""
+    return item if isinstance(item, str) else item[0]
+
+
+def split_abort_items(items: Iterable[Any]) -> tuple[list[str], list[str]]:
+    """(every request id, the ids whose caller is gone)."""
+    ids, gone = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids.append(item)
+        else:
+            ids.append(item[0])
+            gone.append(item[0])
+    return ids, gone

@@ -30,7 +30,6 @@ from vllm.config.artifact import (
     routed_experts_row_spec,
 )
 from vllm.config.artifact_transfer import loads_shared_kv
-from vllm.distributed.artifact_connector.frontend import split_abort_items
 from vllm.distributed.artifact_connector.metrics import ArtifactStatsCollector
 from vllm.distributed.artifact_connector.protocol import (
     ACK_TIMEOUT_S,
@@ -43,6 +42,7 @@ from vllm.distributed.artifact_connector.protocol import (
     Discard,
     Finalize,
     Release,
+    split_abort_items,
 )
 from vllm.distributed.artifact_connector.request_core import (
     RowsRead,
@@ -284,7 +284,7 @@ class ArtifactSchedulerConnector:
             record.live.computed = request.num_computed_tokens
 
     def take_abort_items(self, items: Iterable[Any]) -> list[str]:
-        """The request ids of an ABORT payload (``frontend.abort_items``);
+        """The request ids of an ABORT payload (``protocol.abort_items``);
         requests whose caller is gone (client disconnects) are marked so
         that, when they end, nothing is read for them."""
         req_ids, gone = split_abort_items(items)
