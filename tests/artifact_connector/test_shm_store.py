@@ -338,7 +338,8 @@ def test_full_dev_shm_evicts_the_stores_own_oldest_and_retries(tiny_tmpfs):
         s = w.stats()
         assert s.space_evictions > 0 and s.evicted_objects > 0, s
         assert s.used_bytes < 256 << 10
-        assert read(r, refs[-10:]) == [payload(i, 5000) for i in range(190, 200)]
+        # The newest survive (the active arena's, at least).
+        assert read(r, refs[-5:]) == [payload(i, 5000) for i in range(195, 200)]
         assert w.lookup([key(0)]) == [None]  # the oldest went
     finally:
         r.close()

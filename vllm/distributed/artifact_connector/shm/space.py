@@ -105,6 +105,33 @@ def when_full(
         counts["space_evictions"] += 1
 
 
+def free_bytes(root: str) -> int:
+    """Free bytes under ``root`` (a huge number when that cannot be told)."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
+def keep_headroom(
+    root: str, need: int, evict_oldest: Callable[[], bool], counts: dict[str, int]
+) -> None:
+    """Before a store takes ``need`` bytes less one arena of the file system,
+    evict its own oldest arenas while less than ``need`` is free: a store
+    never takes the last arena of room the engines of the node share, so
+    the room one of them frees by evicting stays there for it. Stops when an
+    eviction frees nothing (a reader still maps the arena; its next read
+    lets go of it) or nothing can be evicted."""
+    free = free_bytes(root)
+    while free < need and evict_oldest():
+        counts["space_evictions"] += 1
+        after = free_bytes(root)
+        if after <= free:
+            return
+        free = after
+
+
 def _load_fallocate():
     with contextlib.suppress(OSError, AttributeError):
         fn = ctypes.CDLL(None, use_errno=True).fallocate

@@ -62,7 +62,7 @@ from vllm.distributed.artifact_connector.shm.repair import (
 from vllm.distributed.artifact_connector.shm.retention import Retention
 from vllm.distributed.artifact_connector.shm.space import (
     check_room,
-    no_space,
+    keep_headroom,
     when_full,
 )
 from vllm.distributed.artifact_connector.store import (
@@ -275,8 +275,7 @@ class ShmStoreWriter(ObjectStoreWriter):
         )
 
     def _append_log(self, recs: np.ndarray, *, evicting: bool = False) -> None:
-        """Append one batch; an ordinary one evicts this store's oldest
-        arenas while the file system is full (``space.when_full``)."""
+        """Append one batch; an ordinary one makes room (``space.when_full``)."""
         data = log.encode_batch(recs)
         if evicting:
             return self._files.append_log(data, evicting=True)
@@ -284,6 +283,12 @@ class ShmStoreWriter(ObjectStoreWriter):
 
     def _when_full(self, op):
         return when_full(op, self._evict_oldest, self._counts, self._files.root)
+
+    def _grow(self, size: int) -> Arena:
+        """A new arena, one arena of /dev/shm left free (``space``)."""
+        need = size + self._arena_bytes
+        keep_headroom(self._files.root, need, self._evict_oldest, self._counts)
+        return self._when_full(lambda: self._start_arena(size))
 
     # ------------------------------------------------------------ space
     def _reserve(self, nbytes: int, log_bytes: int) -> tuple[Arena, int]:
@@ -302,7 +307,7 @@ class ShmStoreWriter(ObjectStoreWriter):
             return spare, spare.reserve(nbytes) or 0
         size = max(self._arena_bytes, align(nbytes))
         self._make_room(size + log_bytes + self._files.log_headroom)
-        arena = self._when_full(lambda: self._start_arena(size))
+        arena = self._grow(size)
         self._counts["arenas_started_on_demand"] += 1
         self._active = arena
         return arena, arena.reserve(nbytes) or 0
@@ -340,8 +345,7 @@ class ShmStoreWriter(ObjectStoreWriter):
                 )
 
     def _evict_oldest(self) -> bool:
-        """Evict the oldest arena that can go (never the active one; the
-        empty spare is unlinked when its turn comes). False if none can."""
+        """Evict the oldest arena that can go (not the active one); False if none."""
         for aid in sorted(self._arenas):
             arena = self._arenas[aid]
             if arena is self._active:
@@ -350,12 +354,8 @@ class ShmStoreWriter(ObjectStoreWriter):
                 self._spare = None
                 self._unlink_arena(aid)
                 return True
-            try:
-                if self._evict(aid):
-                    return True
-            except StoreCapacityError as e:  # its records found no room
-                if not no_space(e):
-                    raise
+            if self._evict(aid):
+                return True
         return False
 
     def _evict(self, aid: int) -> bool:
@@ -473,7 +473,7 @@ class ShmStoreWriter(ObjectStoreWriter):
                 if self._spare is None:
                     try:
                         self._make_room(self._arena_bytes)
-                        self._spare = self._start_arena(self._arena_bytes)
+                        self._spare = self._grow(self._arena_bytes)
                     except StoreCapacityError as e:
                         logger.debug("artifact store: no spare arena: %s", e)
                 self._heartbeat()
