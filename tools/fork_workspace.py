@@ -9,7 +9,7 @@ release, is easier with git's own tools::
 
     fork_workspace.py init   DIR [--base cpu]   # pristine files, one commit a patch
     ... edit, commit, `git rebase -i base` in DIR ...
-    fork_workspace.py export DIR                # the commits back into patches/
+    fork_workspace.py export DIR [--renumber]   # the commits back into patches/
 
 ``init`` commits the pristine upstream files the series touches (tag
 ``base``), then each patch as one commit whose message is the patch's header
@@ -93,7 +93,7 @@ def _slug(subject: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", subject).strip("-")[:48] or "change"
 
 
-def export(ws: Path) -> None:
+def export(ws: Path, renumber: bool = False) -> None:
     commits = _git(ws, "rev-list", "--reverse", "base..HEAD").split()
     if not commits:
         raise ForkError(f"{ws}: no commits after base")
@@ -122,6 +122,11 @@ def export(ws: Path) -> None:
             raise ForkError(f"{commit[:12]} ({name}) changes nothing")
         names.append(name)
         texts.append(f"{header}\n\n---\n" + "".join(body))
+    if renumber:  # number the patches by their place in the series
+        names = [
+            f"{i:04d}-{n[5:]}" if n[:4].isdigit() and n[4] == "-" else n
+            for i, n in enumerate(names, start=1)
+        ]
     if len(set(names)) != len(names):
         raise ForkError(f"two commits name the same patch: {names}")
     for old in PATCHES.glob("*.patch"):
@@ -141,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--base", choices=sorted(BASES), default="cpu")
     e = sub.add_parser("export")
     e.add_argument("workspace", type=Path)
+    e.add_argument(
+        "--renumber", action="store_true", help="number patches by series order"
+    )
     args = parser.parse_args(argv)
     try:
         if args.verb == "init":
             init(args.workspace, args.base)
         else:
-            export(args.workspace)
+            export(args.workspace, args.renumber)
     except ForkError as exc:
         print(f"fork_workspace: error: {exc}", file=sys.stderr)
         return 1
