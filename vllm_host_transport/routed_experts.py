@@ -307,8 +307,9 @@ def _forget_mooncake(master: str, store: Any) -> None:
     holds a connection Mooncake left dead (its issue 4209), may keep
     failing where a new one reads."""
     with _connectors_lock:
-        if _mooncake_clients.get(master) is not store:
-            return
+        current = _mooncake_clients.get(master)
+        if current is None or id(current) != id(store):
+            return  # another thread replaced it already
         del _mooncake_clients[master]
     store.close()
 
