@@ -21,6 +21,8 @@ import os
 import re
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -989,3 +991,18 @@ def test_rejects_an_unsafe_or_short_secret_file(tiny_moe, tmp_path, case, fix):
 def test_rejects_an_unknown_routed_experts_format(tiny_moe):
     with pytest.raises(ValueError, match="routed_experts_format"):
         _build_r3(tiny_moe, artifact_config={"routed_experts_format": "npy"})
+
+
+def test_the_config_is_a_leaf():
+    """``import vllm.config`` loads no module of the store, the connector or
+    the host transport (so it registers none of their at-fork hooks): the
+    config layer imports nothing above it."""
+    code = (
+        "import sys, vllm.config\n"
+        "print([m for m in sys.modules if m.startswith("
+        "('vllm.distributed.artifact_connector', 'vllm_host_transport'))])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "[]", out

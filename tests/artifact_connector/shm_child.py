@@ -41,6 +41,7 @@ def _load():
     base = list(spec.submodule_search_locations)[0]
     for name, rel in (
         ("vllm", ""),
+        ("vllm.config", "config"),
         ("vllm.distributed", "distributed"),
         ("vllm.distributed.artifact_connector", "distributed/artifact_connector"),
     ):

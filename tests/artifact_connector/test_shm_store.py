@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from utils.shm import small_tmpfs
 
+from vllm.config import artifact_sizing as limits_mod
 from vllm.distributed.artifact_connector.shm import (
     ShmStoreReader,
     ShmStoreWriter,
@@ -24,7 +25,6 @@ from vllm.distributed.artifact_connector.shm import (
     make_namespace,
 )
 from vllm.distributed.artifact_connector.shm import files as files_mod
-from vllm.distributed.artifact_connector.shm import limits as limits_mod
 from vllm.distributed.artifact_connector.shm import writer as writer_mod
 from vllm.distributed.artifact_connector.store import (
     ChecksumMismatchError,

@@ -13,22 +13,20 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field
 
+from vllm.config.artifact_sizing import (
+    DEFAULT_INACTIVE_TTL_S,
+    DEFAULT_REF_MAX_BYTES,
+    MIN_CAPACITY_BYTES,
+    MIN_INACTIVE_TTL_S,
+    engines_per_node,
+    node_sizes,
+)
 from vllm.config.artifact_transfer import (
     check_key_space,
     check_kv_connectors,
     check_mooncake,
 )
 from vllm.config.utils import config
-from vllm.distributed.artifact_connector.shm.limits import (
-    DEFAULT_INACTIVE_TTL_S,
-    MIN_CAPACITY_BYTES,
-    MIN_INACTIVE_TTL_S,
-)
-from vllm.distributed.artifact_connector.shm.sizing import (
-    DEFAULT_REF_MAX_BYTES,
-    engines_per_node,
-    node_sizes,
-)
 from vllm.logger import init_logger
 from vllm.utils.routed_experts_rows import RowSpec
 
@@ -58,7 +56,7 @@ MODELS_WITHOUT_PREFIX_CACHING = {
 
 # Routes handed out by reference that may wait unfetched: at most 4 GiB
 # (DEFAULT_REF_MAX_BYTES: about 320 responses of 32k tokens of a 48-layer
-# top-8 model; less on a small /dev/shm, see shm/sizing.py), for 10 minutes.
+# top-8 model; less on a small /dev/shm: artifact_sizing.py), for 10 minutes.
 DEFAULT_REF_TTL_S = 600.0
 DEFAULT_REF_HANDOFF_TIMEOUT_S = 5.0
 # The frontend's own deadline for a held request sums the engine's bounds.
@@ -500,7 +498,7 @@ def _why_prefix_caching_is_off(vllm_config: "VllmConfig") -> tuple[str, str]:
 
 def _size_from_node(cfg: ArtifactConfig, tensor_parallel_size: int) -> None:
     """Fill in the sizes the user left unset from the node's ``/dev/shm``
-    and the engines that share it (``shm/sizing.py``); explicit values are
+    and the engines that share it (``artifact_sizing.py``); explicit values are
     kept. Logged once, with where the engine count came from."""
     if cfg.capacity_bytes is not None and (
         cfg.ref_max_bytes is not None or cfg.ref_transport == "mooncake"

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vllm.distributed.artifact_connector.shm.sizing import DEFAULT_REF_MAX_BYTES
+from vllm.config.artifact_sizing import DEFAULT_REF_MAX_BYTES
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
 from vllm_host_transport import (

@@ -17,8 +17,9 @@ One module per job:
   (spare arena, log compaction, collection).
 * :mod:`.files` - the store's directory, writer record and index log;
   :mod:`.repair` - noticing files removed behind the writer;
-  :mod:`.retention` - which keys live attempts hold; :mod:`.limits` - the
-  defaults and limits.
+  :mod:`.retention` - which keys live attempts hold; :mod:`.space` - a
+  full ``/dev/shm``. The defaults and limits are in
+  ``vllm/config/artifact_sizing.py``.
 * :mod:`.reader` - :class:`ShmStoreReader`: verified reads into a buffer.
 * :mod:`.log` - the index log's format; :mod:`.index` - the in-memory index.
 * :mod:`.arena` - arena files; :mod:`.collect` - writer identity and the
@@ -28,15 +29,15 @@ Safe file handling is shared with the host transport
 (:mod:`vllm_host_transport.safe_fs`).
 """
 
+from vllm.config.artifact_sizing import (
+    DEFAULT_CAPACITY_BYTES,
+    DEFAULT_INACTIVE_TTL_S,
+)
 from vllm.distributed.artifact_connector.shm.collect import (
     CollectReport,
     WriterIdentity,
     collect_stale_stores,
     make_namespace,
-)
-from vllm.distributed.artifact_connector.shm.limits import (
-    DEFAULT_CAPACITY_BYTES,
-    DEFAULT_INACTIVE_TTL_S,
 )
 from vllm.distributed.artifact_connector.shm.reader import ShmStoreReader
 from vllm.distributed.artifact_connector.shm.writer import ShmStoreWriter

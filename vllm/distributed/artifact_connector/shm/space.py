@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from vllm.distributed.artifact_connector.shm.limits import (
+from vllm.config.artifact_sizing import (
     MAX_ARENA_BYTES,
     MIN_ARENA_BYTES,
 )

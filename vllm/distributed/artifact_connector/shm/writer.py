@@ -39,6 +39,13 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from vllm.config.artifact_sizing import (
+    DEFAULT_CAPACITY_BYTES,
+    DEFAULT_COLLECT_INTERVAL_S,
+    DEFAULT_INACTIVE_TTL_S,
+    HEARTBEAT_INTERVAL_S,
+    default_arena_bytes,
+)
 from vllm.distributed.artifact_connector.shm import log
 from vllm.distributed.artifact_connector.shm.arena import Arena, align, arena_name
 from vllm.distributed.artifact_connector.shm.collect import (
@@ -47,13 +54,6 @@ from vllm.distributed.artifact_connector.shm.collect import (
 )
 from vllm.distributed.artifact_connector.shm.files import StoreFiles, io_error
 from vllm.distributed.artifact_connector.shm.index import Index
-from vllm.distributed.artifact_connector.shm.limits import (
-    DEFAULT_CAPACITY_BYTES,
-    DEFAULT_COLLECT_INTERVAL_S,
-    DEFAULT_INACTIVE_TTL_S,
-    HEARTBEAT_INTERVAL_S,
-    default_arena_bytes,
-)
 from vllm.distributed.artifact_connector.shm.repair import (
     RepairState,
     files_in_place,

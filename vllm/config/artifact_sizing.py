@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Default sizes of what an engine keeps in ``/dev/shm``, derived from the
-node: its routes store (``capacity_bytes``) and the routes handed out by
+"""How much of ``/dev/shm`` an engine's routes may use: the store's limits
+and defaults, defined once (the store imports them; a leaf module, so the
+config imports no store), and the default sizes derived from the node:
+of the routes store (``capacity_bytes``) and of the routes handed out by
 reference that wait to be fetched (``ref_max_bytes``).
 
 Every engine on a node (and every data-parallel rank: each has its own
@@ -26,11 +28,31 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from vllm.distributed.artifact_connector.shm.limits import (
-    DEFAULT_CAPACITY_BYTES,
-    MIN_CAPACITY_BYTES,
-)
+# ------------------------------------------------------- the store's limits
+DEFAULT_CAPACITY_BYTES = 8 << 30
+DEFAULT_INACTIVE_TTL_S = 3600.0
+DEFAULT_COLLECT_INTERVAL_S = 300.0
+HEARTBEAT_INTERVAL_S = 10.0
+# Arenas are capacity / 16, clamped to [MIN_ARENA_BYTES, MAX_ARENA_BYTES].
+MIN_ARENA_BYTES = 64 << 10
+MAX_ARENA_BYTES = 64 << 20
+# The smallest store that keeps serving puts: a full active arena is evicted
+# only once the next one exists, so two arenas must fit next to the index
+# log and the writer record (the third arena's room). With exactly two
+# arenas the writer starts, but the first full arena stops every put.
+MIN_CAPACITY_BYTES = 3 * MIN_ARENA_BYTES
+# A store whose writer cannot be checked is judged by its heartbeat: a TTL
+# must outlast a few heartbeat intervals, or a live writer's store (another
+# pid namespace, or one not yet holding its writer record) is collected.
+MIN_INACTIVE_TTL_S = 3 * HEARTBEAT_INTERVAL_S
 
+
+def default_arena_bytes(capacity_bytes: int) -> int:
+    """The arena size of a store of ``capacity_bytes``."""
+    return min(MAX_ARENA_BYTES, max(MIN_ARENA_BYTES, capacity_bytes // 16))
+
+
+# ------------------------------------------------- defaults from the node
 ENGINES_ENV = "VLLM_ENGINES_PER_NODE"
 #: Share of ``/dev/shm`` the engines of a node take together by default.
 SHM_SHARE = 0.5
