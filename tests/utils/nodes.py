@@ -154,9 +154,11 @@ def two_nodes(
     are gone (every process inside stopped, no namespace member left) when
     the block ends, also on failure."""
     nodes: list[Node] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(_all_gone, nodes)
         for name in ("a", "b"):
             nodes.append(Node(name, shm_size))
+            stack.callback(nodes[-1].close)
         a, b = nodes
         _check(
             subprocess.run(
@@ -175,13 +177,23 @@ def two_nodes(
             ):
                 _check(node.run(cmd), f"node {node.name}: {' '.join(cmd)}")
         yield a, b
-    finally:
-        for node in nodes:
-            node.close()
-        deadline = time.monotonic() + 30
-        while left := {n.name: n.members() for n in nodes if n.members()}:
-            assert time.monotonic() < deadline, f"processes left in the nodes: {left}"
-            time.sleep(0.2)
+
+
+def _all_gone(nodes: list[Node]) -> None:
+    deadline = time.monotonic() + 30
+    while left := {n.name: n.members() for n in nodes if n.members()}:
+        assert time.monotonic() < deadline, f"processes left in the nodes: {left}"
+        time.sleep(0.2)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: killed when the test process dies (a
+    process that does not read its stdin would otherwise outlive a killed
+    test, and keep its node's namespaces)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 # A connection attempt from inside a node, until accepted or the deadline.
@@ -263,6 +275,7 @@ class NodeMaster:
                  f"--rpc_port={self.RPC_PORT}", f"--metrics_host={self.host}",
                  f"--metrics_port={self.METRICS_PORT}"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                preexec_fn=_die_with_parent,
             )  # fmt: skip
         # Reached from the other node, over the veth.
         ok = wait_listening(self.probe_from, self.host, self.RPC_PORT)
