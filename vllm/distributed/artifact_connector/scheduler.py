@@ -412,6 +412,12 @@ class ArtifactSchedulerConnector:
             record is not None and record.phase in HELD and not record.engine_finish
         ) or any(o.request_id == req_id for _, o in self._ready)
 
+    def without_owed_outputs(self, aborted: list[Request]) -> list[Request]:
+        """The engine core's aborted requests whose abort output it sends
+        itself: all but those the connector owes an output with routes
+        (it emits them once read; a pause or shutdown completes after)."""
+        return [r for r in aborted if not self.owes_output(r.request_id)]
+
     def has_pending(self) -> bool:
         """Whether outputs wait for acknowledgements, or messages for the
         worker: keeps the engine stepping (empty steps included) until they
@@ -696,3 +702,10 @@ class ArtifactSchedulerConnector:
             self._external.close()
         self._handoff.close()
         self._reads.close()
+
+
+def artifact_connector_of(scheduler: object) -> ArtifactSchedulerConnector | None:
+    """The one way the engine core reaches a scheduler's Artifact Connector:
+    vLLM's ``Scheduler`` holds it (``artifact_connector``, patch 0006; None
+    when R3 is off), a scheduler class of the user's has none."""
+    return getattr(scheduler, "artifact_connector", None)
