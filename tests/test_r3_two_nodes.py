@@ -61,6 +61,11 @@ BLOCK = 32
 # cores (load average 3.5), past the default 1 s (the KV is then
 # recomputed, exact, but not loaded).
 PULL_TIMEOUT_S = 3.0
+# A reference's put goes to whichever segment Mooncake picks, on either
+# node; the first puts of A's engine core (new connections) took 5.2 s on
+# the loaded machine, past the default 5 s (the request then carries a
+# RouteRefPublishError instead of its reference).
+REF_HANDOFF_TIMEOUT_S = 15.0
 LOGS = Path(__file__).resolve().parents[1] / ".cache" / "logs"
 
 
@@ -120,6 +125,7 @@ def engines(nodes, master, tiny_moe, tmp_path_factory):
                     shared_secret_file=str(secret),
                     shared_pull_timeout_s=PULL_TIMEOUT_S,
                     ref_transport="mooncake",
+                    ref_handoff_timeout_s=REF_HANDOFF_TIMEOUT_S,
                 ),
             )
             env = dict(os.environ, MC_FORCE_TCP="true", VLLM_HOST_IP=node.ip)
