@@ -201,9 +201,10 @@ class ArtifactConfig:
     mooncake_segment_bytes: int = Field(default=1 << 30, gt=0)
     """Bytes of memory this engine (each process that joins: the worker for
     ``backend: mooncake``, the engine core for ``ref_transport: mooncake``)
-    contributes to the Mooncake Store. What it holds (routes handed out,
-    shared objects) lives there until removed or evicted by Mooncake under
-    pressure, and goes when the engine stops."""
+    contributes to the Mooncake Store. The engine puts what it shares there
+    (routes handed out, shared objects), in its own segment: they live until
+    removed or evicted by Mooncake under pressure, and go when the engine
+    stops."""
 
     mooncake_buffer_bytes: int = Field(default=256 << 20, gt=0)
     """Bytes of this engine's Mooncake transfer buffer (at least the largest

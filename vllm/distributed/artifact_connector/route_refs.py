@@ -141,13 +141,17 @@ class _MooncakeSink:
             self._store: Any = client.acquire(cfg)
         except client.MooncakeUnavailableError as e:
             raise RouteRefPublishError(str(e)) from e
+        # In this engine's own segment: a reference lives as long as the
+        # engine that handed it out, not as long as whichever engine's
+        # segment Mooncake would pick (on another node, maybe).
+        self._placement = client.own_segment(self._store)
 
     def put(self, key: str, rows: np.ndarray) -> None:
         if not rows.nbytes:
             # Mooncake refuses empty objects (-600); a reference to no rows
             # is fetched from the reference alone (routed_experts.fetch).
             return
-        rc = self._store.put(key, rows.reshape(-1).view(np.uint8).data)
+        rc = self._store.put(key, rows.reshape(-1).view(np.uint8).data, self._placement)
         if rc != 0:
             raise RouteRefPublishError(
                 f"the Mooncake Store (master {self.location}) refused a "

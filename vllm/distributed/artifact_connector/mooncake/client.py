@@ -72,6 +72,16 @@ def acquire(cfg: ArtifactConfig, *, segment_bytes: int | None = None) -> Any:
         return client
 
 
+def own_segment(client: Any) -> Any:
+    """A ``ReplicateConfig`` that places objects in ``client``'s own
+    segment: what an engine shares lives and goes with that engine."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = client.get_hostname()
+    return config
+
+
 def release(client: Any) -> None:
     """Let go of a client :func:`acquire` gave; the last release closes it."""
     with _lock:

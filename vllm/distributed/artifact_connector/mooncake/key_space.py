@@ -131,7 +131,11 @@ def agree(client: Any, master: str, key_space: str, terms: KeySpaceTerms) -> Non
             client.batch_put_from([key], [ptr], [len(mine)], pin)
         raise MooncakeUnavailableError(
             f"cannot record the terms of key space {key_space!r} in the Mooncake "
-            f"Store of master {master} (rc {rc}); is mooncake_master running?"
+            f"Store of master {master} (rc {rc}); is mooncake_master running? "
+            "If it is, the memory of another engine of the key space could not "
+            "be reached: an engine on another host must set "
+            "mooncake_local_hostname to its address on the engines' network "
+            "(the default, 127.0.0.1, serves one host only)"
         )
     finally:
         client.unregister_buffer(ptr)

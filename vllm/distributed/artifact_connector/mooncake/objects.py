@@ -50,6 +50,7 @@ from vllm.distributed.artifact_connector.mooncake.client import (
     BUFFER_TOO_SMALL,
     OBJECT_NOT_FOUND,
     MooncakeUnavailableError,
+    own_segment,
 )
 from vllm.distributed.artifact_connector.store import ObjectRef, checksum
 
@@ -130,6 +131,7 @@ class MooncakeObjects:
         self.max_object_nbytes = max_object_nbytes
         self._mac_key = mac_key(secret)
         self._client = client
+        self._placement = own_segment(client)  # an engine's objects go with it
         self._lock = threading.Lock()
         self._staging = _Staging(client, staging_bytes)
 
@@ -175,7 +177,7 @@ class MooncakeObjects:
             base = buf.ctypes.data
             rcs = self._client.batch_put_from(
                 [PREFIX + k for k in keys], (base + at - _H).tolist(),
-                (sizes + _H).tolist(),
+                (sizes + _H).tolist(), self._placement,
             )  # fmt: skip
         return sum(1 for rc in rcs if rc < 0)
 
