@@ -28,6 +28,10 @@ against copying the same bytes with numpy, measured in the same run:
   gap of a ticking engine-thread loop while the reader works (what the
   interpreter lock costs it), against the same loop alone. Shapes: 256
   requests of 128 rows, 64 of 2,048, one of 32,768 (read in runs).
+* ``reader_mappings``: reading back a finished 8k- and 32k-token request
+  whose rows span one and four arenas, with the reader keeping all, the
+  newest or none of them mapped between reads (``shm/reader.py``: none
+  while ``/dev/shm`` is tight, all otherwise).
 * ``stall``: the worst and 99.9th-percentile calling-thread time of a step
   over 10,000 steps (write + flush; a 1 ms sleep stands in for the GPU)
   while arenas are started and evicted, the log is compacted and stale
@@ -370,6 +374,54 @@ def bench_materialise(root: str, layout: str, reps: int) -> dict:
     }
 
 
+def bench_reader_mappings(root: str, reps: int) -> dict:
+    """A finished request's rows read back where they span several arenas
+    (published as 8k-token prefill chunks: an arena each), with the reader
+    keeping every arena mapped between reads (``/dev/shm`` roomy), or, as
+    on a tight ``/dev/shm``, only the newest (``KEEP_MAPPED_WHEN_TIGHT`` 1,
+    the earlier rule) or none (0, with its log closed, today's rule); the
+    three take turns, rep by rep."""
+    from vllm.distributed.artifact_connector.shm import reader as reader_mod
+
+    policies = {"keep_all": (0, 0), "keep_1": (1 << 50, 1), "keep_0": (1 << 50, 0)}
+    saved = reader_mod.TIGHT_ARENAS, reader_mod.KEEP_MAPPED_WHEN_TIGHT
+    result = {}
+    try:
+        for tokens in (8192, 32768):
+            eng = Engine(root, 256 << 20, 2 << 20)
+            ack = publish_request(eng, tokens, "prefill")
+            reader = ShmStoreReader(root, eng.ns)
+            out = np.empty((tokens, LAYERS, TOP_K), np.uint8)
+            times: dict[str, list[float]] = {p: [] for p in policies}
+            for _ in range(reps):
+                for name, (tight, keep) in policies.items():
+                    reader_mod.TIGHT_ARENAS, reader_mod.KEEP_MAPPED_WHEN_TIGHT = (
+                        tight,
+                        keep,
+                    )
+                    # What this policy leaves mapped after a read.
+                    read_rows(reader, SPEC, ack.refs, tokens, out=out)
+                    t0 = time.perf_counter()
+                    read_rows(reader, SPEC, ack.refs, tokens, out=out)
+                    times[name].append(time.perf_counter() - t0)
+            idx = reader._index
+            slots = reader._locate(ack.refs.keys, ack.refs.checksums)
+            arenas = len(set(idx.arena[slots].tolist()))
+            reader.close()
+            eng.close()
+            med = {p: statistics.median(t) for p, t in times.items()}
+            result[f"{tokens}_tokens"] = {
+                "bytes": tokens * SPEC.row_nbytes,
+                "arenas": arenas,
+                **{f"{p}_ms": t * 1e3 for p, t in med.items()},
+                "keep_1_over_keep_all": med["keep_1"] / med["keep_all"],
+                "keep_0_over_keep_all": med["keep_0"] / med["keep_all"],
+            }
+    finally:
+        reader_mod.TIGHT_ARENAS, reader_mod.KEEP_MAPPED_WHEN_TIGHT = saved
+    return result
+
+
 def publish_finished(eng: Engine, n: int, rows: int) -> list:
     """``n`` requests of ``rows`` rows, one block per step each (their
     objects interleave), finalised together; returns their acks."""
@@ -585,6 +637,7 @@ def main() -> None:
             for n, rows in ((256, 128), (64, 2048), (1, 32768))
         },
         "stall": lambda: bench_stall(root, args.stall_steps),
+        "reader_mappings": lambda: bench_reader_mappings(root, args.reps),
     }
     try:
         for name, fn in parts.items():

@@ -1,17 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Many engines per node: four engines, each its own process, share one
-small ``/dev/shm`` (a tmpfs mounted over it in a private mount namespace).
-Their stores' capacities together exceed it several times (the situation of
-eight engines with the old fixed 8 GiB defaults on a smaller ``/dev/shm``),
-so it fills and their puts meet ``ENOSPC``; each store then evicts its own
-oldest routes and retries. Every request of every engine must still return
-routes equal to transformers' router, and the stores must really have met
-the full file system (``space_evictions``).
+small ``/dev/shm`` (a 4 MiB tmpfs mounted over it in a private mount
+namespace), their stores sized from it (``engines_per_node`` 4: 341 KiB
+each, 64 KiB arenas).
 
-Without the evict-and-retry path, the first put that met the full tmpfs
-failed its request with ``StoreCapacityError`` (run on this harness before
-the fix: see the commit that added this test)."""
+Each engine first publishes a few prompts, so that its store holds its
+active arena and the spare its upkeep prepares; then, with the four engines
+waiting, another tenant takes all of ``/dev/shm`` but half an arena. Every
+engine then publishes more than two arenas' worth: each new arena it needs
+finds less than an arena free although its store is far below its capacity,
+so it must give back its own oldest arena first (``space_evictions``). The
+engines stop at the same point whatever the order they ran in, so the run is
+the same every time: no store can take what the others freed (a store
+leaves one arena free when it grows, ``space.keep_headroom``, and the tenant
+leaves less), and each store's own old arena is always there to evict (two
+requests at a time hold less than an arena).
+
+Every request of every engine must return routes equal to transformers'
+router, and every store must have evicted for room. Without the
+evict-for-room path (``space.when_full`` and ``space.keep_headroom``) the
+first arena an engine needs after the tenant's fill fails with ``ENOSPC``
+and its requests carry ``StoreCapacityError`` (run on this harness: see the
+commit that rebuilt this test)."""
 
 from __future__ import annotations
 
@@ -31,28 +42,39 @@ from utils.shm_ns import skip_unless_private_shm, small_shm_argv
 pytestmark = pytest.mark.engine
 
 ENGINES = 4
-ROUNDS = 6
-PER_ROUND = 6
-# A 4 MiB /dev/shm: each engine's store is sized from it (engines_per_node 4:
-# 4 MiB / 2 / 4 * 2/3 = 341 KiB, 64 KiB arenas). Other files take all but
-# ROOM of it, less than the four capacities together (1.33 MiB) but enough
-# that three full stores leave the fourth its few arenas.
 SHM_SIZE = "4m"
-ROOM = 1200 << 10
-CAPACITY = 0  # derived
+ARENA = 64 << 10  # the arenas of a 341 KiB store (the smallest there are)
+# What the other tenant leaves free: below one arena.
+ROOM = ARENA // 2
+# Routes of the tiny model: 2 layers x top-2 uint8, 4 bytes a token, 192
+# bytes for a 32-token block with its envelope: a 1000-token prompt publishes
+# about 6 KB, so an arena holds about ten of them. Two requests at a time
+# hold at most a fifth of an arena: an old arena's retained objects always
+# fit in the active one.
+PLAN = {
+    "prompt_len": 1000,
+    "max_num_seqs": 2,
+    "warm": 6,  # the active arena about half full, the spare prepared
+    "rounds": 6,
+    "per_round": 6,  # 36 prompts, about 3.3 arenas after the fill
+}
+PROMPTS = PLAN["warm"] + PLAN["rounds"] * PLAN["per_round"]
 
 
 def _run_engines(tiny_moe, out: str) -> None:
-    """The four engines at once, in one namespace with the small tmpfs as
-    its /dev/shm; each writes its results (and its log) into ``out``."""
+    """The four engines and the other tenant at once, in one namespace with
+    the small tmpfs as its /dev/shm; each engine writes its results (and
+    its log) into ``out``."""
     driver = os.path.join(os.path.dirname(__file__), "utils", "shm_engine.py")
-    other = (4 << 20) - ROOM
-    lines = [f"head -c {other} /dev/zero > /dev/shm/other-files || exit 1", 'pids=""']
+    lines = ['pids=""']
     for i in range(ENGINES):
-        argv = [sys.executable, driver, str(tiny_moe), out, str(i)]
-        argv += [str(ENGINES), str(ROUNDS), str(PER_ROUND), str(CAPACITY)]
+        argv = [sys.executable, driver, "engine", str(tiny_moe), out, str(i)]
+        argv += [str(ENGINES), json.dumps(PLAN)]
         lines.append(f"{shlex.join(argv)} > {out}/log-{i} 2>&1 &")
         lines.append('pids="$pids $!"')
+    fill = [sys.executable, driver, "fill", out, str(ENGINES), str(ROOM)]
+    lines.append(f"{shlex.join(fill)} > {out}/log-fill 2>&1 &")
+    lines.append('pids="$pids $!"')
     lines.append("rc=0; for p in $pids; do wait $p || rc=1; done; exit $rc")
     script = os.path.join(out, "run.sh")
     with open(script, "w") as f:
@@ -60,9 +82,9 @@ def _run_engines(tiny_moe, out: str) -> None:
     r = subprocess.run(small_shm_argv(SHM_SIZE, f"sh {script}"), timeout=900)
     if r.returncode:
         logs = []
-        for i in range(ENGINES):
-            with contextlib.suppress(OSError), open(f"{out}/log-{i}") as f:
-                logs.append(f"--- engine {i}\n{f.read()[-3000:]}")
+        for name in [f"log-{i}" for i in range(ENGINES)] + ["log-fill"]:
+            with contextlib.suppress(OSError), open(f"{out}/{name}") as f:
+                logs.append(f"--- {name}\n{f.read()[-3000:]}")
         raise AssertionError(
             f"an engine failed (rc {r.returncode}):\n" + "\n".join(logs)
         )
@@ -72,31 +94,42 @@ def test_four_engines_share_a_small_dev_shm_and_stay_exact(tiny_moe, tmp_path):
     skip_unless_private_shm()
     out = str(tmp_path)
     _run_engines(tiny_moe, out)
+    with open(os.path.join(out, "fill.json")) as f:
+        fill = json.load(f)
+    print(f"other tenant took {fill['taken']} bytes, left {fill['after']['free']}")
+    # The tenant left less than an arena free.
+    assert fill["after"]["free"] < ARENA, fill
     evictions, failures, checked = [], [], 0
     for i in range(ENGINES):
         with open(os.path.join(out, f"engine-{i}.json")) as f:
             report = json.load(f)
         stats = report["stats"]
+        # Sized from the 4 MiB tmpfs: 4 MiB / 2 / 4 engines * 2/3.
+        assert stats["capacity_bytes"] == (4 << 20) // 2 // ENGINES * 2 // 3, stats
+        assert report["arenas_at_barrier"] >= 2, report
         evictions.append(stats["space_evictions"])
         data = np.load(os.path.join(out, f"engine-{i}.npz"))
-        for r in range(ROUNDS):
-            for k in range(PER_ROUND):
-                name = f"r{r}p{k}"
-                if f"{name}_error" in data:
-                    failures.append((i, name, str(data[f"{name}_error"])))
-                    continue
-                completion = SimpleNamespace(
-                    routed_experts=data[f"{name}_routes"],
-                    routed_experts_error=None,
-                    token_ids=data[f"{name}_tokens"].tolist(),
-                    finish_reason="length",
-                )
-                prompt = data[f"{name}_prompt"].tolist()
-                assert_exact(tiny_moe, prompt, completion, dtype=np.int32)
-                checked += 1
-        shm = report["shm_after_rounds"]
-        print(f"engine {i}: {stats}; /dev/shm after each round {shm}")
+        names = [f"warmp{k}" for k in range(PLAN["warm"])] + [
+            f"r{r}p{k}" for r in range(PLAN["rounds"]) for k in range(PLAN["per_round"])
+        ]
+        for name in names:
+            if f"{name}_error" in data:
+                failures.append((i, name, str(data[f"{name}_error"])))
+                continue
+            completion = SimpleNamespace(
+                routed_experts=data[f"{name}_routes"],
+                routed_experts_error=None,
+                token_ids=data[f"{name}_tokens"].tolist(),
+                finish_reason="length",
+            )
+            assert_exact(tiny_moe, data[f"{name}_prompt"].tolist(), completion)
+            checked += 1
+        print(
+            f"engine {i}: arenas at the barrier {report['arenas_at_barrier']}, "
+            f"{stats}; /dev/shm free after each round "
+            f"{[r['free'] for r in report['shm_after_rounds']]}"
+        )
     assert not failures, failures
-    assert checked == ENGINES * ROUNDS * PER_ROUND
-    # The tmpfs was really full: the stores had to evict to make room.
-    assert sum(evictions) > 0, evictions
+    assert checked == ENGINES * PROMPTS
+    # Every store met the full tmpfs and gave back its own oldest arena.
+    assert all(e > 0 for e in evictions), evictions

@@ -173,6 +173,7 @@ class StoreStats:
     stores_recreated: int = 0  # removed behind the writer, started again
     arenas_lost: int = 0  # arena files deleted behind the writer
     space_evictions: int = 0  # evictions because /dev/shm itself was full
+    space_compactions: int = 0  # index log compactions, likewise
     # backend mooncake: objects mirrored into the shared tier, pulled from
     # it (computed by other engines), its writes that failed, and shared
     # objects that failed their checks (authentication included)

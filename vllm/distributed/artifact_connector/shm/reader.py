@@ -4,10 +4,18 @@
 
 A reader rebuilds the index from the log and extends it with each new batch
 before a read; it maps arenas read-only and drops a mapping when the log
-retires the arena. After a read it keeps only the newest arena mapped
-(:data:`KEEP_MAPPED`): an unlinked arena's pages are freed only
-once no process maps it, and the writer evicts its oldest arenas when
-``/dev/shm`` is full (``space``), which must free memory at once. A read
+retires the arena. An unlinked file's pages are freed only once no process
+maps it or holds it open, and the writer evicts its oldest arenas (and
+compacts its log) when ``/dev/shm`` is full (``space``), which must free
+memory at once: a reader that kept an evicted arena mapped until its next
+read would hold that room while its engine's puts fail for lack of it, and
+a failed put means no read to let go of it. So after a read that finds
+``/dev/shm`` tight (less than :data:`TIGHT_ARENAS` arenas free), the reader
+keeps nothing mapped or open but its directories
+(:data:`KEEP_MAPPED_WHEN_TIGHT`): the next read maps what it needs again
+(reading an 8k- or 32k-token request then takes about 1.4 times as long;
+docs/benchmarks.md, "Reader mappings") and reopens the log where it left
+off. Otherwise it keeps every arena the log has not retired mapped. A read
 resolves exact versions, verifies every object's checksum over the mapped
 bytes, lets the caller check the objects' trailers, and only then copies: a
 failed read leaves the caller's buffer untouched. Values leave the store,
@@ -26,6 +34,7 @@ from vllm.distributed.artifact_connector.shm import log
 from vllm.distributed.artifact_connector.shm.arena import Arena
 from vllm.distributed.artifact_connector.shm.collect import INDEX_FILE, NAMESPACE_RE
 from vllm.distributed.artifact_connector.shm.index import Index
+from vllm.distributed.artifact_connector.shm.space import free_bytes
 from vllm.distributed.artifact_connector.store import (
     CheckFn,
     ChecksumMismatchError,
@@ -39,10 +48,13 @@ from vllm.distributed.artifact_connector.store import (
 )
 from vllm_host_transport.safe_fs import open_private_dir, open_private_file, shm_subdir
 
-#: Arenas a reader keeps mapped between reads: the newest (the writer's
-#: active one, where the objects of running requests are); a read of older
-#: objects maps their arenas again, for that read.
-KEEP_MAPPED = 1
+#: ``/dev/shm`` is tight when it has less free space than this many of the
+#: store's arenas (the largest the reader has mapped): the writer may evict
+#: for room at any moment.
+TIGHT_ARENAS = 4
+#: Arenas (the newest) a reader keeps mapped between reads while
+#: ``/dev/shm`` is tight; it closes its log too.
+KEEP_MAPPED_WHEN_TIGHT = 0
 
 
 class ShmStoreReader(ObjectStoreReader):
@@ -59,6 +71,7 @@ class ShmStoreReader(ObjectStoreReader):
         self._root_fd = self._ns_fd = self._log_fd = -1
         self._ns_id = (0, 0)
         self._arenas: dict[int, Arena] = {}
+        self._arena_size = 0  # the largest arena mapped so far
         self._index = Index()
         self._log_pos = 0
         self._log_ino = 0
@@ -130,7 +143,21 @@ class ShmStoreReader(ObjectStoreReader):
         elif st.st_ino != self._log_ino:
             self._reload()
         else:
+            if self._log_fd < 0:  # closed after a read on a tight /dev/shm
+                self._reopen_log()
             self._read_tail()
+
+    def _reopen_log(self) -> None:
+        """Open the index log again and go on where the last read stopped
+        (from the start if it was replaced meanwhile)."""
+        fd = open_private_file(
+            INDEX_FILE, self._ns_fd, os.O_RDONLY, "index log", error=UnsafeStoreError
+        )
+        if os.fstat(fd).st_ino == self._log_ino:
+            self._log_fd = fd
+            return
+        os.close(fd)
+        self._reload()
 
     def _reopen(self) -> None:
         """Open the namespace again by its path (it was removed or replaced
@@ -190,6 +217,8 @@ class ShmStoreReader(ObjectStoreReader):
             raise StoreIOError(
                 f"reading artifact store {self._namespace} failed: {e}"
             ) from e
+        finally:
+            self._let_go_if_tight()
         current = self._index.current
         return next((i for i, k in enumerate(keys) if k not in current), len(keys))
 
@@ -234,9 +263,25 @@ class ShmStoreReader(ObjectStoreReader):
                 f"reading artifact store {self._namespace} failed: {e}"
             ) from e
         finally:
-            if len(self._arenas) > KEEP_MAPPED:
-                for aid in sorted(self._arenas)[:-KEEP_MAPPED]:
-                    self._arenas.pop(aid).close()
+            self._let_go_if_tight()
+
+    def _let_go_if_tight(self) -> None:
+        """See the module docs: on a tight ``/dev/shm``, unmap the arenas
+        (all but the newest :data:`KEEP_MAPPED_WHEN_TIGHT`) and close the
+        log, so that nothing the writer evicts or replaces stays allocated."""
+        for a in self._arenas.values():
+            self._arena_size = max(self._arena_size, a.size)
+        if not self._arena_size or (not self._arenas and self._log_fd < 0):
+            return
+        if free_bytes(self._root) >= TIGHT_ARENAS * self._arena_size:
+            return
+        keep = sorted(self._arenas)[len(self._arenas) - KEEP_MAPPED_WHEN_TIGHT :]
+        for aid in sorted(self._arenas):
+            if aid not in keep:
+                self._arenas.pop(aid).close()
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            self._log_fd = -1
 
     def _locate(self, keys: Sequence[str], checksums: np.ndarray) -> np.ndarray:
         """Slots of the exact versions, or the typed error for the first

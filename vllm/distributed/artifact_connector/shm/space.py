@@ -5,9 +5,13 @@ engine on the node, their references, vLLM's own segments, other software),
 so it can be full while this store is within its capacity.
 
 The writer treats the file system's free space as a second capacity: when
-growing fails with ``ENOSPC`` (or ``EDQUOT``) it evicts its own oldest
-unretained arena, exactly as capacity eviction does, and tries again
-(``ShmStoreWriter._when_full``). An eviction appends its records to the
+growing fails with ``ENOSPC`` (or ``EDQUOT``) it gives back its own room,
+exactly as capacity eviction does (``ShmStoreWriter._give_back_space``:
+its index log compacted where that halves it, else its oldest unretained
+arena evicted), and tries again. The log counts: with small objects (a
+tiny model's routes) its 64-byte records are a third of the arenas' bytes,
+and a log left to grow to its ordinary compaction point fills a tight
+file system by itself. An eviction appends its records to the
 index log before it unlinks the arena, so the log keeps pages reserved
 ahead of its end (:func:`reserve_log`, ``fallocate`` with
 ``FALLOC_FL_KEEP_SIZE``: the file's size, which readers go by, does not
@@ -72,21 +76,23 @@ def no_space(e: BaseException) -> bool:
 
 def when_full(
     op: Callable[[], _T],
-    evict_oldest: Callable[[], bool],
+    give_back: Callable[[], bool],
     counts: dict[str, int],
     root: str,
 ) -> _T:
     """Run ``op`` (a step that grows a store's files); while it fails
-    because the file system is full, evict the store's oldest arena
-    (``evict_oldest``, False when none can go) and run it again. Counted in
-    ``counts["space_evictions"]``; the first time is logged."""
+    because the file system is full, give back room (``give_back``: compact
+    the store's index log or evict its oldest arena, counting what it did;
+    False when neither can be done) and run it again. The first time is
+    logged."""
     while True:
         try:
             return op()
         except StoreCapacityError as e:
             if not no_space(e):
                 raise
-            if not evict_oldest():
+            first = not (counts["space_evictions"] or counts["space_compactions"])
+            if not give_back():
                 raise StoreCapacityError(
                     f"{e}. The file system under {root} is full and this store "
                     "has nothing left to evict (running requests hold what it "
@@ -94,7 +100,7 @@ def when_full(
                     "engines that share it (engines_per_node or "
                     "$VLLM_ENGINES_PER_NODE, or a lower capacity_bytes)"
                 ) from e
-        if counts["space_evictions"] == 0:
+        if first:
             logger.warning(
                 "artifact store under %s: the file system is full; evicting "
                 "this engine's oldest routes to make room (the engines on this "
@@ -102,7 +108,6 @@ def when_full(
                 "in the user guide)",
                 root,
             )
-        counts["space_evictions"] += 1
 
 
 def free_bytes(root: str) -> int:
@@ -114,18 +119,16 @@ def free_bytes(root: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def keep_headroom(
-    root: str, need: int, evict_oldest: Callable[[], bool], counts: dict[str, int]
-) -> None:
+def keep_headroom(root: str, need: int, give_back: Callable[[], bool]) -> None:
     """Before a store takes ``need`` bytes less one arena of the file system,
-    evict its own oldest arenas while less than ``need`` is free: a store
-    never takes the last arena of room the engines of the node share, so
-    the room one of them frees by evicting stays there for it. Stops when an
-    eviction frees nothing (a reader still maps the arena; its next read
-    lets go of it) or nothing can be evicted."""
+    give back its own room (``give_back``, see :func:`when_full`) while less
+    than ``need`` is free: a store never takes the last arena of room the
+    engines of the node share, so the room one of them frees stays there
+    for it. Stops when giving back frees nothing (a reader still maps the
+    arena or holds the replaced log; its next read lets go of it) or
+    nothing can be given back."""
     free = free_bytes(root)
-    while free < need and evict_oldest():
-        counts["space_evictions"] += 1
+    while free < need and give_back():
         after = free_bytes(root)
         if after <= free:
             return

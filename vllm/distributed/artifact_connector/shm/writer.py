@@ -62,7 +62,9 @@ from vllm.distributed.artifact_connector.shm.repair import (
 from vllm.distributed.artifact_connector.shm.retention import Retention
 from vllm.distributed.artifact_connector.shm.space import (
     check_room,
+    free_bytes,
     keep_headroom,
+    page_end,
     when_full,
 )
 from vllm.distributed.artifact_connector.store import (
@@ -156,6 +158,7 @@ class ShmStoreWriter(ObjectStoreWriter):
             "stores_recreated": 0,
             "arenas_lost": 0,
             "space_evictions": 0,
+            "space_compactions": 0,
         }
         self._last_collect = 0.0
         self._repair = RepairState()
@@ -282,13 +285,26 @@ class ShmStoreWriter(ObjectStoreWriter):
         self._when_full(lambda: self._files.append_log(data))
 
     def _when_full(self, op):
-        return when_full(op, self._evict_oldest, self._counts, self._files.root)
+        return when_full(op, self._give_back_space, self._counts, self._files.root)
 
     def _grow(self, size: int) -> Arena:
         """A new arena, one arena of /dev/shm left free (``space``)."""
         need = size + self._arena_bytes
-        keep_headroom(self._files.root, need, self._evict_oldest, self._counts)
+        keep_headroom(self._files.root, need, self._give_back_space)
         return self._when_full(lambda: self._start_arena(size))
+
+    def _give_back_space(self) -> bool:
+        """One step of making room on a full file system (``space``): the
+        index log compacted where that at least halves it and the snapshot
+        fits in what is free, else the oldest arena evicted. False when
+        neither can be done."""
+        if self._compact_log_if_worthwhile(under_pressure=True, on_full_disk=True):
+            self._counts["space_compactions"] += 1
+            return True
+        if self._evict_oldest():
+            self._counts["space_evictions"] += 1
+            return True
+        return False
 
     # ------------------------------------------------------------ space
     def _reserve(self, nbytes: int, log_bytes: int) -> tuple[Arena, int]:
@@ -410,10 +426,13 @@ class ShmStoreWriter(ObjectStoreWriter):
             os.unlink(arena_name(aid), dir_fd=self._files.ns_fd)
 
     # ------------------------------------------------------------ log
-    def _compact_log_if_worthwhile(self, *, under_pressure: bool = False) -> bool:
+    def _compact_log_if_worthwhile(
+        self, *, under_pressure: bool = False, on_full_disk: bool = False
+    ) -> bool:
         """Replace the log by a snapshot if it is several times larger than
         one (twice, when room is needed now) and the snapshot fits in
-        capacity. Returns whether it compacted."""
+        capacity (and, ``on_full_disk``, in the file system's free space).
+        Returns whether it compacted."""
         snap_bytes = log.LOG_HEADER.size + (
             log.BATCH_HEADER.size + log.RECORD_NBYTES * self._index.num_versions
         )
@@ -427,6 +446,8 @@ class ShmStoreWriter(ObjectStoreWriter):
         if files.log_size < threshold:
             return False
         if self._used() + snap_bytes > self._capacity:
+            return False
+        if on_full_disk and free_bytes(files.root) < page_end(snap_bytes):
             return False
         tmp = f"{self._next_id:016x}.tmp"
         self._next_id += 1
