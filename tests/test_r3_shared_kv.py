@@ -29,12 +29,14 @@ import numpy as np
 import pytest
 from utils.mooncake import running_master
 from utils.r3 import (
-    SHARED_PREFIX,
     assert_completion_exact,
     assert_exact,
     engine_kwargs,
+    from_storage,
     greedy,
     http_post,
+    loaded_tokens,
+    pool_prompts,
     r3_server,
     serve_flags,
     shm_root,
@@ -119,29 +121,6 @@ def _counter(llm, name: str) -> float:
     )
 
 
-def _prompts(tag: str) -> list[str]:
-    """Two prompts of their own (``tag`` first, so no block is shared with
-    another test's), each ending in a partial block."""
-    return [
-        f"{tag}: {SHARED_PREFIX}",
-        f"{tag}: Mixture of experts models route every token to a few experts, "
-        "and the routes of one engine must match those of another one.",
-    ]
-
-
-def _loaded(out) -> int:
-    """Tokens of ``out`` whose KV came from the cache (here: the pool)."""
-    return out.num_cached_tokens
-
-
-def _from_storage(out) -> int:
-    """What ExampleConnector loads: the full blocks before the last prompt
-    token (the engine computes the rest)."""
-    n = len(out.prompt_token_ids)
-    assert n % BLOCK, f"{n} prompt tokens: no partial last block"
-    return (n - 1) // BLOCK * BLOCK
-
-
 def test_prefill_decode_pair(tiny_moe, master, tmp_path):
     """A prefill engine (kv_producer) computes the prompt and one token; the
     decode engine (kv_consumer) loads its KV and returns the routes of every
@@ -152,14 +131,14 @@ def test_prefill_decode_pair(tiny_moe, master, tmp_path):
     prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
     decode = _engine(tiny_moe, master, tmp_path, "kv_consumer")
     try:
-        prompts = _prompts("pd")
+        prompts = pool_prompts("pd")
         for out in prefill.generate(prompts, greedy(1), use_tqdm=False):
             assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
         outs = decode.generate(prompts, greedy(12), use_tqdm=False)
         for out in outs:
-            assert _loaded(out) == _from_storage(out) > 0
+            assert loaded_tokens(out) == from_storage(out) > 0
             assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-        (late,) = _prompts("pd-late")[:1]
+        (late,) = pool_prompts("pd-late")[:1]
         prefill.generate([late], greedy(1), use_tqdm=False)
         _close(prefill)
         prefill = _engine(tiny_moe, master, tmp_path, "kv_producer")
@@ -168,13 +147,13 @@ def test_prefill_decode_pair(tiny_moe, master, tmp_path):
         # routes (any whole number of blocks), the rest recomputed, and the
         # routes are exact either way.
         (out,) = decode.generate([late], greedy(4), use_tqdm=False)
-        assert _loaded(out) % BLOCK == 0
-        assert 0 <= _loaded(out) <= _from_storage(out)
+        assert loaded_tokens(out) % BLOCK == 0
+        assert 0 <= loaded_tokens(out) <= from_storage(out)
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-        (fresh,) = _prompts("pd-restarted")[:1]
+        (fresh,) = pool_prompts("pd-restarted")[:1]
         prefill.generate([fresh], greedy(1), use_tqdm=False)
         (out,) = decode.generate([fresh], greedy(4), use_tqdm=False)
-        assert _loaded(out) == _from_storage(out) > 0
+        assert loaded_tokens(out) == from_storage(out) > 0
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     finally:
         _close(prefill, decode)
@@ -206,7 +185,7 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
         with r3_server(tiny_moe, flags, root, "test-r3-shared-kv-serve.log") as srv:
             for i in range(SERVE_PROMPTS):
                 time.sleep(IDLE_GAP_S)
-                prompt = _prompts(f"pd-http-{i}")[i % 2]
+                prompt = pool_prompts(f"pd-http-{i}")[i % 2]
                 (done,) = prefill.generate([prompt], greedy(1), use_tqdm=False)
                 time.sleep(IDLE_GAP_S)
                 status, body = http_post(srv.base_url, "/v1/completions", {
@@ -217,9 +196,9 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
                 assert status == 200, (i, status, body)
                 assert body["choices"][0]["prompt_token_ids"] == done.prompt_token_ids
                 cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-                assert cached % BLOCK == 0 and cached <= _from_storage(done)
+                assert cached % BLOCK == 0 and cached <= from_storage(done)
                 assert_completion_exact(tiny_moe, body)
-                loaded.append(cached == _from_storage(done))
+                loaded.append(cached == from_storage(done))
     finally:
         _close(prefill)
         print(
@@ -232,19 +211,19 @@ def test_decode_engine_over_http(tiny_moe, master, tmp_path):
 
 def test_pool_hit_on_kv_the_other_engine_computed(pool, tiny_moe):
     a, b = pool
-    prompts = _prompts("pool")
+    prompts = pool_prompts("pool")
     pulled = _counter(b, "store_shared_pulled_objects")
     for out in a.generate(prompts, greedy(2), use_tqdm=False):
-        assert _loaded(out) == 0
+        assert loaded_tokens(out) == 0
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     outs = b.generate(prompts, greedy(8), use_tqdm=False)
     for out in outs:
-        assert _loaded(out) == _from_storage(out) > 0
+        assert loaded_tokens(out) == from_storage(out) > 0
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     # The worker sends its counters with a step at most once a second.
     time.sleep(1.5)
     b.generate(["Once"], greedy(1), use_tqdm=False)
-    blocks = sum(_loaded(o) for o in outs) // BLOCK
+    blocks = sum(loaded_tokens(o) for o in outs) // BLOCK
     assert _counter(b, "store_shared_pulled_objects") == pulled + blocks
 
 
@@ -257,7 +236,7 @@ def test_kv_whose_routes_are_gone_is_recomputed(pool, tiny_moe):
     from mooncake.store import MooncakeDistributedStore
 
     a, b = pool
-    (prompt, _) = _prompts("removed")
+    (prompt, _) = pool_prompts("removed")
     (first,) = a.generate([prompt], greedy(2), use_tqdm=False)
     assert_exact(tiny_moe, first.prompt_token_ids, first.outputs[0])
     time.sleep(1.0)  # a's publication thread has mirrored the blocks
@@ -274,14 +253,14 @@ def test_kv_whose_routes_are_gone_is_recomputed(pool, tiny_moe):
     finally:
         client.close()
     (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
-    assert _loaded(out) == 0
+    assert loaded_tokens(out) == 0
     assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
     # The recomputation published the blocks' routes again: once b's own
     # prefix cache forgets them, the pool's hit is taken again.
     time.sleep(1.0)
     assert b.reset_prefix_cache()
     (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
-    assert _loaded(out) == _from_storage(out)
+    assert loaded_tokens(out) == from_storage(out)
     assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
 
 
@@ -339,7 +318,7 @@ def _full_blocks(llm, shared, prompt: str, model) -> list[tuple[str, np.ndarray]
         if int(env["rows"]) == BLOCK:
             blocks.append((int(env["start"]), ref.key, obj.copy()))
     blocks.sort()
-    assert len(blocks) == _from_storage(out) // BLOCK > 1
+    assert len(blocks) == from_storage(out) // BLOCK > 1
     return [(k, obj) for _, k, obj in blocks]
 
 
@@ -354,7 +333,7 @@ def test_a_recompute_elsewhere_leaves_the_routes_of_the_loaded_kv(pool, tiny_moe
     from vllm.distributed.artifact_connector.store import ObjectRef, checksum
 
     a, b = pool
-    (prompt, _) = _prompts("first-writer")
+    (prompt, _) = pool_prompts("first-writer")
     with _tier(a) as shared:
         blocks = _full_blocks(a, shared, prompt, tiny_moe)
         keys = [k for k, _ in blocks]
@@ -371,7 +350,7 @@ def test_a_recompute_elsewhere_leaves_the_routes_of_the_loaded_kv(pool, tiny_moe
         assert [r.key for r in got] == keys
         assert bytes(data) == b"".join(obj.tobytes() for _, obj in blocks)
     (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
-    assert _loaded(out) == _from_storage(out) > 0
+    assert loaded_tokens(out) == from_storage(out) > 0
     assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
 
 
@@ -386,7 +365,7 @@ def test_a_corrupt_shared_object_is_removed_and_the_prefix_heals(pool, tiny_moe)
     from vllm.distributed.artifact_connector.mooncake.objects import HEADER, PREFIX
 
     a, b = pool
-    (prompt, _) = _prompts("healed")
+    (prompt, _) = pool_prompts("healed")
     rejected = _counter(b, "store_shared_rejected_objects")
     with _tier(a) as shared:
         blocks = _full_blocks(a, shared, prompt, tiny_moe)
@@ -409,7 +388,7 @@ def test_a_corrupt_shared_object_is_removed_and_the_prefix_heals(pool, tiny_moe)
         finally:
             raw.close()
         (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
-        assert _loaded(out) == j * BLOCK  # the blocks before the altered one
+        assert loaded_tokens(out) == j * BLOCK  # the blocks before the altered one
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
         time.sleep(1.5)  # b's mirror; its counters come with a step, once a second
         b.generate(["Once"], greedy(1), use_tqdm=False)
@@ -427,14 +406,14 @@ def test_a_corrupt_shared_object_is_removed_and_the_prefix_heals(pool, tiny_moe)
 
 def test_master_stopped_and_restarted(pool, tiny_moe, master):
     a, b = pool
-    (before, during, after) = (_prompts(t)[0] for t in ("before", "down", "back"))
+    (before, during, after) = (pool_prompts(t)[0] for t in ("before", "down", "back"))
     (out,) = a.generate([before], greedy(2), use_tqdm=False)
     time.sleep(1.0)
     master.stop()
     try:
         # b cannot reach the routes of a's KV: it recomputes the blocks.
         (out,) = b.generate([before], greedy(4), use_tqdm=False)
-        assert _loaded(out) == 0
+        assert loaded_tokens(out) == 0
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
         # a serves its own requests exactly meanwhile (its mirror fails).
         (out,) = a.generate([during], greedy(4), use_tqdm=False)
@@ -453,8 +432,8 @@ def test_master_stopped_and_restarted(pool, tiny_moe, master):
         # While the clients rejoin, some of a's writes may still fail: b
         # then takes part of the hit, or none of it, exact every time.
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-        assert _loaded(out) % BLOCK == 0
-        if _loaded(out) == _from_storage(out):
+        assert loaded_tokens(out) % BLOCK == 0
+        if loaded_tokens(out) == from_storage(out):
             break
         assert time.monotonic() < deadline, "the KV pool's hits never came back"
     print(f"sharing back {time.monotonic() - restarted:.1f} s after the restart")
@@ -474,18 +453,18 @@ def test_master_frozen_both_engines_keep_serving(pool, tiny_moe, master):
     import signal
 
     a, b = pool
-    before, new = (_prompts(t)[0] for t in ("frozen-before", "frozen-new"))
+    before, new = (pool_prompts(t)[0] for t in ("frozen-before", "frozen-new"))
     (out,) = a.generate([before], greedy(2), use_tqdm=False)
     time.sleep(1.0)
     os.kill(master.proc.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         (out,) = b.generate([before], greedy(4), use_tqdm=False)
-        assert _loaded(out) == 0
+        assert loaded_tokens(out) == 0
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
         for llm in (a, b):  # a local prefix hit each, and new prompts
             outs = llm.generate([before, new], greedy(4), use_tqdm=False)
-            assert _loaded(outs[0]) > 0
+            assert loaded_tokens(outs[0]) > 0
             for out in outs:
                 assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
         (out,) = b.generate([f"b {new}"], greedy(4), use_tqdm=False)
@@ -506,7 +485,7 @@ def test_master_frozen_both_engines_keep_serving(pool, tiny_moe, master):
         time.sleep(1.0)
         (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
         assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-        if _loaded(out) == _from_storage(out):
+        if loaded_tokens(out) == from_storage(out):
             break
         assert time.monotonic() < deadline, "sharing never came back"
 

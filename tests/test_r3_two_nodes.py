@@ -46,7 +46,13 @@ from utils.nodes import (
     unavailable,
 )
 from utils.oracle import expected_r3
-from utils.r3 import PROMPTS, SHARED_PREFIX, assert_exact
+from utils.r3 import (
+    PROMPTS,
+    assert_exact,
+    from_storage,
+    loaded_tokens,
+    pool_prompts,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -159,29 +165,6 @@ def trainer(nodes, master, tmp_path_factory):
     t.close()
 
 
-def _prompts(tag: str) -> list[str]:
-    """Two prompts of their own (``tag`` first, so no block is shared with
-    another test's), each ending in a partial block."""
-    return [
-        f"{tag}: {SHARED_PREFIX}",
-        f"{tag}: Mixture of experts models route every token to a few experts, "
-        "and the routes of one engine must match those of another one.",
-    ]
-
-
-def _loaded(out) -> int:
-    """Tokens of ``out`` whose KV came from the cache (here: the pool)."""
-    return out.num_cached_tokens
-
-
-def _from_storage(out) -> int:
-    """What ExampleConnector loads: the full blocks before the last prompt
-    token (the engine computes the rest)."""
-    n = len(out.prompt_token_ids)
-    assert n % BLOCK, f"{n} prompt tokens: no partial last block"
-    return (n - 1) // BLOCK * BLOCK
-
-
 def _exact(model, out) -> None:
     assert_exact(model, out.prompt_token_ids, out.outputs[0])
 
@@ -244,17 +227,17 @@ def test_hits_on_kv_engine_a_computed(engines, tiny_moe):
     on node A (from whichever node's segment Mooncake placed them in):
     every row equal to the router."""
     a, b = engines
-    prompts = _prompts("nodes")
+    prompts = pool_prompts("nodes")
     pulled = _pulled(b)
     for out in a.generate(prompts, 2):
-        assert _loaded(out) == 0
+        assert loaded_tokens(out) == 0
         _exact(tiny_moe, out)
     time.sleep(1.0)  # A's publication thread mirrors the blocks off the steps
     outs = b.generate(prompts, 8)
     for out in outs:
-        assert _loaded(out) == _from_storage(out) > 0
+        assert loaded_tokens(out) == from_storage(out) > 0
         _exact(tiny_moe, out)
-    blocks = sum(_loaded(o) for o in outs) // BLOCK
+    blocks = sum(loaded_tokens(o) for o in outs) // BLOCK
     assert _pulled(b) == pulled + blocks
 
 
@@ -284,15 +267,15 @@ def _sharing_comes_back(a, b, model, tag: str, deadline_s: float) -> int:
     (exact every time, whole blocks); returns how many it took."""
     deadline = time.monotonic() + deadline_s
     for i in range(1000):
-        prompt = f"{i} {tag} {_prompts(tag)[0]}"
+        prompt = f"{i} {tag} {pool_prompts(tag)[0]}"
         a.generate([prompt], 1)
         time.sleep(1.0)
         (out,) = b.generate([prompt], 4)
         # While the clients rejoin, some of A's writes may still fail: B then
         # takes part of the hit, or none of it, exact every time.
         _exact(model, out)
-        assert _loaded(out) % BLOCK == 0
-        if _loaded(out) == _from_storage(out):
+        assert loaded_tokens(out) % BLOCK == 0
+        if loaded_tokens(out) == from_storage(out):
             return i + 1
         assert time.monotonic() < deadline, f"sharing never came back ({tag})"
     raise AssertionError("unreachable")
@@ -304,13 +287,13 @@ def test_master_restarted(engines, master, tiny_moe):
     why they are missing; the master started again (empty): sharing and
     references come back, exact."""
     a, b = engines
-    before, during = (_prompts(t)[0] for t in ("restart-before", "restart-down"))
+    before, during = (pool_prompts(t)[0] for t in ("restart-before", "restart-down"))
     a.generate([before], 2)
     time.sleep(1.0)
     master.stop()
     try:
         (out,) = b.generate([before], 4)
-        assert _loaded(out) == 0
+        assert loaded_tokens(out) == 0
         _exact(tiny_moe, out)
         for engine in (a, b):
             (out,) = engine.generate([during], 4)
@@ -363,18 +346,18 @@ def test_master_frozen(engines, master, tiny_moe):
     before it resumes; B recomputes the KV of A's prompt, nothing stays
     retained. After SIGCONT, sharing comes back."""
     a, b = engines
-    before, new = (_prompts(t)[0] for t in ("frozen-before", "frozen-new"))
+    before, new = (pool_prompts(t)[0] for t in ("frozen-before", "frozen-new"))
     a.generate([before], 2)
     time.sleep(1.0)
     master.freeze()
     t0 = time.monotonic()
     try:
         (out,) = b.generate([before], 4)
-        assert _loaded(out) == 0
+        assert loaded_tokens(out) == 0
         _exact(tiny_moe, out)
         for engine in (a, b):  # a local prefix hit each, and new prompts
             outs = engine.generate([before, f"{engine.node.name} {new}"], 4)
-            assert _loaded(outs[0]) > 0
+            assert loaded_tokens(outs[0]) > 0
             for out in outs:
                 _exact(tiny_moe, out)
         served_s = time.monotonic() - t0

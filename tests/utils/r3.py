@@ -35,6 +35,30 @@ PROMPTS = [
 ]
 
 
+def pool_prompts(tag: str) -> list[str]:
+    """Two prompts of their own for the shared-KV tests (``tag`` first, so
+    no block is shared with another test's), each ending in a partial
+    block."""
+    return [
+        f"{tag}: {SHARED_PREFIX}",
+        f"{tag}: Mixture of experts models route every token to a few experts, "
+        "and the routes of one engine must match those of another one.",
+    ]
+
+
+def loaded_tokens(out) -> int:
+    """Tokens of ``out`` whose KV came from the cache (a KV pool's too)."""
+    return out.num_cached_tokens
+
+
+def from_storage(out) -> int:
+    """What ExampleConnector loads of ``out``'s prompt: the full blocks
+    before its last token (the engine computes the rest)."""
+    n = len(out.prompt_token_ids)
+    assert n % BLOCK_SIZE, f"{n} prompt tokens: no partial last block"
+    return (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
 def shm_root() -> str:
     """A store root for one engine; the conftest leak guard attributes it to
     this test session (the pid is in its name) and the writer removes it on
