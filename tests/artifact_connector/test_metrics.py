@@ -141,6 +141,8 @@ def test_prometheus_records_per_engine():
             "puts_written": 7,
             "divergences": 1,
             "evicted_objects": 0,
+            "space_evictions": 2,
+            "space_compactions": 1,
         }
     )
     prom.observe(c.take(), engine_idx=1)
@@ -164,6 +166,8 @@ def test_prometheus_records_per_engine():
     assert value("vllm:routed_experts_store_published_objects_total", "1") == 7
     assert value("vllm:routed_experts_store_divergences_total", "1") == 1
     assert value("vllm:routed_experts_store_evicted_objects_total", "1") == 0
+    assert value("vllm:routed_experts_store_space_evictions_total", "1") == 2
+    assert value("vllm:routed_experts_store_space_compactions_total", "1") == 1
 
 
 def test_prometheus_registers_nothing_with_r3_off():

@@ -48,6 +48,8 @@ STORE_COUNTERS = (
     "puts_written",
     "divergences",
     "evicted_objects",
+    "space_evictions",
+    "space_compactions",
     "shared_puts",
     "shared_pulls",
     "shared_failures",
@@ -278,6 +280,16 @@ class ArtifactProm:
             "evicted_objects": counter(
                 p + "store_evicted_objects",
                 "Objects evicted from the routes store to make room.",
+            ),
+            "space_evictions": counter(
+                p + "store_space_evictions",
+                "Arenas the routes store evicted because /dev/shm itself was "
+                "full or nearly so (other engines, other files), to keep "
+                "serving puts.",
+            ),
+            "space_compactions": counter(
+                p + "store_space_compactions",
+                "Index-log compactions the routes store made for the same reason.",
             ),
             "shared_puts": counter(
                 p + "store_shared_published_objects",

@@ -639,6 +639,8 @@ class ArtifactPublisher:
             "puts_written": s.puts_written,
             "divergences": s.divergences,
             "evicted_objects": s.evicted_objects,
+            "space_evictions": s.space_evictions,
+            "space_compactions": s.space_compactions,
             "shared_puts": s.shared_puts,
             "shared_pulls": s.shared_pulls,
             "shared_failures": s.shared_failures,
