@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm.config.artifact_sizing import DEFAULT_REF_MAX_BYTES
+from vllm.distributed.artifact_connector.shm.space import free_bytes
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
 from vllm_host_transport import (
@@ -102,9 +102,9 @@ class _HostSink:
             raise RouteRefPublishError(f"the host transport failed: {e}") from e
         if not ok:
             error = RouteRefPublishError
-            with contextlib.suppress(OSError, HostTransportError):
-                st = os.statvfs(self._conn.scope_dir)
-                if st.f_bavail * st.f_frsize < rows.nbytes + _NO_SPACE_SLACK:
+            with contextlib.suppress(HostTransportError):  # closed meanwhile
+                free = free_bytes(self._conn.scope_dir)
+                if free < rows.nbytes + _NO_SPACE_SLACK:
                     error = _NoSpaceError
             raise error(
                 f"the host transport (scope {self.location!r}) refused a "
