@@ -291,12 +291,15 @@ def _finish_held(held: _Held, output: EngineCoreOutput) -> None:
 
 
 # ---------------------------------------------------------------- shutdown
-def remove_dead_stores(vllm_config: VllmConfig, wait_s: float = 5.0) -> None:
+def remove_dead_stores(
+    vllm_config: VllmConfig, engine_manager: object = None, wait_s: float = 5.0
+) -> None:
     """Called by the frontend once its engine processes are stopped. A
     shutdown may kill them before the worker removes its store (``vllm
     serve`` on SIGINT does): remove the stores under the root whose writer is
-    proven dead, waiting up to ``wait_s`` for this engine's killed workers to
-    be gone, and the root when that leaves it empty. Live engines' stores are
+    proven dead, waiting up to ``wait_s`` for this engine's killed processes
+    to be gone, and the root when that leaves it empty, then what they left
+    in the scope of routed-experts references. Live engines' stores are
     never touched."""
     import os
 
@@ -310,19 +313,25 @@ def remove_dead_stores(vllm_config: VllmConfig, wait_s: float = 5.0) -> None:
         for rank in range(vllm_config.parallel_config.data_parallel_size)
     }
     deadline = time.monotonic() + wait_s
+    # The engine manager's shutdown SIGKILLs what outlives its timeout (0 s
+    # under ``vllm serve``'s default) without waiting: until an engine core
+    # has exited it holds its reference scope and looks alive, and the scope
+    # would be left behind (seen in CI after ``make demo``'s Ctrl-C).
+    for proc in getattr(engine_manager, "processes", ()):
+        proc.join(max(0.0, deadline - time.monotonic()))
     while True:
         try:
             report = collect_stale_stores(cfg.shm_root, cfg.inactive_ttl_s)
         except (ArtifactError, OSError) as e:
             logger.warning("could not clean up the artifact store root: %s", e)
-            return
+            break
         if report.removed:
             logger.info("removed artifact stores of dead engines: %s", report.removed)
         if not ours & set(report.kept_alive) or time.monotonic() > deadline:
+            with contextlib.suppress(OSError):
+                os.rmdir(cfg.shm_root)
             break
         time.sleep(0.1)  # a killed worker is still exiting
-    with contextlib.suppress(OSError):
-        os.rmdir(cfg.shm_root)
     _remove_dead_ref_scope(cfg.ref_scope)
 
 
