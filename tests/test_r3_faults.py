@@ -148,11 +148,22 @@ def _tree(path: str) -> dict[str, int]:
 
 
 class _Running:
-    """A long completion in a thread; ``result`` is (status, body) or the
-    exception that ended it."""
+    """A long streamed completion in a thread. A test freezes the engine
+    once ``decoding`` tokens have arrived (:func:`_frozen_mid_run`), so a
+    fault made while frozen lands mid-run however fast the machine decodes
+    (a 700-token request once finished between its objects' publication
+    and a pause, on a loaded CI machine). ``result`` is (status, body) as a
+    non-streamed completion would answer: the choice assembled from the
+    chunks, or the stream's error event; or the exception that ended the
+    stream (the server died under it)."""
+
+    decoding = 8  # tokens streamed before a freeze: the gathered full blocks
+    # have been handed to the publication thread (GATHER_STEPS is 4)
 
     def __init__(self, server, prompt: str, max_tokens: int = 700):
         self.result: object = None
+        self._streamed = 0
+        self._decoding = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(server, prompt, max_tokens), daemon=True
         )
@@ -160,9 +171,48 @@ class _Running:
 
     def _run(self, server, prompt, max_tokens):
         try:
-            self.result = _complete(server, prompt, max_tokens, timeout=300)
-        except Exception as e:  # the server died under it
+            self.result = self._stream(server, prompt, max_tokens)
+        except Exception as e:
             self.result = e
+        finally:
+            self._decoding.set()
+
+    def _stream(self, server, prompt, max_tokens):
+        import httpx
+
+        body = {
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "stream": True,
+        }  # fmt: skip
+        choice: dict = {"token_ids": []}
+        with httpx.stream(
+            "POST", server.base_url + "/v1/completions", json=body, timeout=300
+        ) as resp:
+            if resp.status_code != 200:
+                return resp.status_code, json.loads(resp.read() or b"{}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return 200, {"choices": [choice]}
+                event = json.loads(data)
+                if "error" in event:
+                    return 500, event
+                (part,) = event["choices"]
+                choice["token_ids"] += part.get("token_ids") or []
+                for field in ("prompt_token_ids", "routed_experts"):
+                    if part.get(field) is not None:
+                        choice[field] = part[field]
+                self._streamed = len(choice["token_ids"])
+                if self._streamed >= self.decoding:
+                    self._decoding.set()
+        raise ConnectionError("the stream ended without [DONE]")
+
+    def wait_decoding(self, timeout: float = 120) -> None:
+        assert self._decoding.wait(timeout), "the request never started decoding"
+        assert self.alive(), f"the request ended before decoding: {self.result}"
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -176,10 +226,7 @@ class _Running:
 @contextlib.contextmanager
 def _frozen(server):
     """The engine's running requests frozen in place (``/pause?mode=keep``)
-    for the body, then resumed: a fault made inside lands while a
-    ``_Running`` request is mid-run however fast the machine decodes (a
-    700-token request once finished before an ``rm -rf`` on a fast CI
-    machine)."""
+    for the body, then resumed."""
     status, body = http_post(server.base_url, "/pause?mode=keep&clear_cache=false")
     assert status == 200, body
     try:
@@ -187,6 +234,17 @@ def _frozen(server):
     finally:
         status, body = http_post(server.base_url, "/resume")
         assert status == 200, body
+
+
+@contextlib.contextmanager
+def _frozen_mid_run(server, run: _Running):
+    """``run`` started decoding, then the engine frozen: the body runs while
+    the request is certainly mid-run (hundreds of its tokens still to come,
+    none computed while frozen); resumed after."""
+    run.wait_decoding()
+    with _frozen(server):
+        assert run.alive(), f"the request ended before the freeze: {run.result}"
+        yield
 
 
 def _wait_new_objects(root: str, before: set[str], n: int, timeout: float = 60):
@@ -274,9 +332,8 @@ def test_dev_shm_full_during_publication(server, tmpfs_dir, tiny_moe):
 def test_object_corrupted_while_its_request_runs(server, tiny_moe):
     before = {k for k, _ in store_objects(server.shm_root)}
     run = _Running(server, _prompt("corrupt-mid-run", repeat=2))
-    new = _wait_new_objects(server.shm_root, before, 2)
-    with _frozen(server):
-        assert run.alive(), "the request finished before the corruption"
+    with _frozen_mid_run(server, run):
+        new = _wait_new_objects(server.shm_root, before, 2)
         corrupt_objects(server.shm_root, [place for _, place in new])
     status, body = run.join()
     kind = _typed_error(status, body)
@@ -317,13 +374,12 @@ def test_arena_deleted_while_its_request_runs(server, tiny_moe):
     root = server.shm_root
     before = {k for k, _ in store_objects(root)}
     run = _Running(server, _prompt("unlink-mid-run", repeat=2))
-    new = _wait_new_objects(root, before, 2)
-    (ns,) = os.listdir(root)
-    arenas = sorted({aid for _, (aid, _) in new})
-    paths = [os.path.join(root, ns, f"{aid:016x}.arena") for aid in arenas]
-    mapped = [_mapped_read_only(server.proc.pid, p) for p in paths]
-    with _frozen(server):
-        assert run.alive(), "the request finished before the arena was deleted"
+    with _frozen_mid_run(server, run):
+        new = _wait_new_objects(root, before, 2)
+        (ns,) = os.listdir(root)
+        arenas = sorted({aid for _, (aid, _) in new})
+        paths = [os.path.join(root, ns, f"{aid:016x}.arena") for aid in arenas]
+        mapped = [_mapped_read_only(server.proc.pid, p) for p in paths]
         for p in paths:
             os.unlink(p)
     answer = _exact_or_typed(tiny_moe, *run.join())
@@ -359,9 +415,8 @@ def test_store_directory_made_unreadable(server, tiny_moe):
     # rm -rf of the store root while a request runs.
     before = {k for k, _ in store_objects(root)}
     run = _Running(server, _prompt("rmtree-mid-run", repeat=2))
-    _wait_new_objects(root, before, 2)
-    with _frozen(server):
-        assert run.alive(), "the request finished before the store was removed"
+    with _frozen_mid_run(server, run):
+        _wait_new_objects(root, before, 2)
         shutil.rmtree(root)
     removed_answer = _exact_or_typed(tiny_moe, *run.join())
     following = _following(server, tiny_moe, "rmtree")
@@ -529,9 +584,8 @@ def test_engine_sigkilled_mid_run_and_restarted_on_the_same_root(tiny_moe, monke
         (dead_ns,) = os.listdir(root)
         before = {k for k, _ in store_objects(root)}
         run = _Running(srv, _prompt("kill-mid-run", repeat=2))
-        _wait_new_objects(root, before, 2)
-        with _frozen(srv):
-            assert run.alive(), "the request finished before the kill"
+        with _frozen_mid_run(srv, run):
+            _wait_new_objects(root, before, 2)
         # Killed right after the resume, so the engine dies stepping.
         _sigkill_all(srv)
         client_saw = run.join()
