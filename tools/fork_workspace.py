@@ -7,16 +7,17 @@
 merging or reordering patches, or carrying the series to another vLLM
 release, is easier with git's own tools::
 
-    fork_workspace.py init   DIR [--base cpu]   # pristine files, one commit a patch
+    fork_workspace.py init   DIR [--base cpu] [--vllm VERSION]   # one commit a patch
     ... edit, commit, `git rebase -i base` in DIR ...
-    fork_workspace.py export DIR [--renumber]   # the commits back into patches/
+    fork_workspace.py export DIR [--renumber]   # back into patches/<VERSION>/
 
 ``init`` commits the pristine upstream files the series touches (tag
 ``base``), then each patch as one commit whose message is the patch's header
 and whose last line names its file (``Patch: 0007-....patch``). ``export``
-writes every commit after ``base`` back as a patch (a commit without a
-``Patch:`` line gets a name from its subject and the next number), rewrites
-``patches/series`` and removes the patch files no commit names. A file the
+writes every commit after ``base`` back as a patch of the workspace's release
+(a commit without a ``Patch:`` line gets a name from its subject and the next
+number), rewrites ``patches/<VERSION>/series`` and removes the patch files no
+commit names. A file the
 series newly touches must be committed into ``base`` first (``git commit
 --amend`` on the base commit, then rebase), so that ``base`` stays the
 pristine tree. Only the standard library and ``git`` are used.
@@ -33,9 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fork import (  # noqa: E402
-    BASES,
-    PATCHES,
-    SERIES,
+    DEFAULT_VERSION,
+    FLAVOURS,
+    SUPPORTED,
+    Base,
     ForkError,
     Pristine,
     _diff,
@@ -44,6 +46,7 @@ from fork import (  # noqa: E402
     patch_files,
     patch_header,
     read_series,
+    series_dir,
     series_files,
 )
 
@@ -62,21 +65,22 @@ def _git(ws: Path, *args: str, stdin: str | None = None) -> str:
     return proc.stdout
 
 
-def init(ws: Path, base_name: str) -> None:
+def init(ws: Path, base: Base) -> None:
     if ws.exists() and any(ws.iterdir()):
         raise ForkError(f"{ws} is not empty")
     ws.mkdir(parents=True, exist_ok=True)
-    pristine = Pristine(BASES[base_name])
-    series = read_series()
+    pristine = Pristine(base)
+    series = read_series(base.version)
     _git(ws, "init", "-q")
     _git(ws, "config", "user.name", "fork workspace")
     _git(ws, "config", "user.email", "fork-workspace@localhost")
+    _git(ws, "config", "fork.vllm", base.version)  # where export writes
     for rel in series_files(series):
         dst = ws / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(pristine.read(rel))
     _git(ws, "add", "-A")
-    _git(ws, "commit", "-q", "-m", f"base: pristine {pristine.base.dist} files")
+    _git(ws, "commit", "-q", "-m", f"base: pristine {base.pin} files")
     _git(ws, "tag", "base")
     for patch in series:
         git_apply(ws, patch)
@@ -94,6 +98,7 @@ def _slug(subject: str) -> str:
 
 
 def export(ws: Path, renumber: bool = False) -> None:
+    folder = series_dir(_git(ws, "config", "fork.vllm").strip())
     commits = _git(ws, "rev-list", "--reverse", "base..HEAD").split()
     if not commits:
         raise ForkError(f"{ws}: no commits after base")
@@ -111,8 +116,8 @@ def export(ws: Path, renumber: bool = False) -> None:
             name = f"{number:04d}-{_slug(lines[0])}.patch"
         body = []
         files = _git(ws, "diff", "--name-only", f"{commit}^", commit).split()
-        if (PATCHES / name).is_file():  # keep the patch's own file order
-            order = {f: i for i, f in enumerate(patch_files(PATCHES / name))}
+        if (folder / name).is_file():  # keep the patch's own file order
+            order = {f: i for i, f in enumerate(patch_files(folder / name))}
             files.sort(key=lambda f: order.get(f, len(order)))
         for rel in files:
             before = _git(ws, "show", f"{commit}^:{rel}")
@@ -129,13 +134,14 @@ def export(ws: Path, renumber: bool = False) -> None:
         ]
     if len(set(names)) != len(names):
         raise ForkError(f"two commits name the same patch: {names}")
-    for old in PATCHES.glob("*.patch"):
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.patch"):
         if old.name not in names:
             old.unlink()
     for name, text in zip(names, texts):
-        (PATCHES / name).write_text(text)
-    SERIES.write_text("".join(f"{n}\n" for n in names))
-    log(f"exported {len(names)} patches into {PATCHES}")
+        (folder / name).write_text(text)
+    (folder / "series").write_text("".join(f"{n}\n" for n in names))
+    log(f"exported {len(names)} patches into {folder}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="verb", required=True)
     i = sub.add_parser("init")
     i.add_argument("workspace", type=Path)
-    i.add_argument("--base", choices=sorted(BASES), default="cpu")
+    i.add_argument("--base", choices=sorted(FLAVOURS), default="cpu")
+    i.add_argument("--vllm", choices=sorted(SUPPORTED), default=DEFAULT_VERSION)
     e = sub.add_parser("export")
     e.add_argument("workspace", type=Path)
     e.add_argument(
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.verb == "init":
-            init(args.workspace, args.base)
+            init(args.workspace, Base(args.base, args.vllm))
         else:
             export(args.workspace, args.renumber)
     except ForkError as exc:

@@ -1,10 +1,11 @@
 #!/bin/bash
 # Build .devcarry/ (git-ignored) for the GPU harness from this checkout:
-#   bash tests/gpu/make_carry.sh
+#   [VLLM=0.34.0] bash tests/gpu/make_carry.sh    (default: VLLM=0.32.0)
 # - vllm_site.tgz: the fork's tree on the CUDA base (tools/fork.py
 #   materialize --base cuda: vllm/ and the fork's top-level packages beside
 #   it, vllm_host_transport) with tests/gpu/vllm_pyshim.py;
-# - base_site.tgz: the pristine vllm 0.32.0 CUDA wheel's tree, the same way;
+# - base_site.tgz: the pristine vllm CUDA wheel's tree of that release, the
+#   same way;
 # - whl/: the cp312 wheels the device lacks (../shared/tools/gpu/
 #   fetch_wheels.sh, fetched once into .devcarry-wheels/);
 # - models/tiny-moe: the tiny real-weight MoE of tests/gpu;
@@ -15,12 +16,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 SHARED=${SHARED_GPU_TOOLS:-$ROOT/../shared/tools/gpu}
-WHEEL=$(ls "$ROOT"/.cache/wheels/cuda/vllm-0.32.0-*.whl)
+VLLM=${VLLM:-0.32.0}
+.venv/bin/python tools/fork.py check --base cuda --vllm "$VLLM" >/dev/null
+WHEEL=$(ls "$ROOT"/.cache/wheels/cuda-"$VLLM"/vllm-"$VLLM"-*.whl)
 STAGE=$(mktemp -d "$ROOT/.cache/carry.XXXXXX")
 trap 'rm -rf "$STAGE"' EXIT
 [ -d .devcarry-wheels ] || bash "$SHARED/fetch_wheels.sh" .devcarry-wheels
 mkdir -p .devcarry
-.venv/bin/python tools/fork.py materialize --base cuda "$STAGE/fork"
+.venv/bin/python tools/fork.py materialize --base cuda --vllm "$VLLM" "$STAGE/fork"
 # Every top-level package materialize wrote beside vllm/ travels with it.
 EXTRA_PKGS=""
 for d in "$STAGE"/fork/*/; do
