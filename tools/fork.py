@@ -543,13 +543,15 @@ def status(site: Path) -> None:
         print(f"  {'package' if rel in TOP_PACKAGES else 'overlay'} {rel}")
 
 
-def materialize(base: Base, out: Path) -> None:
+def materialize(base: Base, out: Path, extensions: bool = True) -> None:
     """Write the whole forked ``vllm/`` package (plus dist-info) and the fork's
     top-level packages (``TOP_PACKAGES``) into ``out``.
 
     The pinned wheel's Python tree with the series applied and the overlay
     copied in (no symlinks), e.g. to carry the fork to a machine without this
     checkout (see ../shared/tools/gpu/README.md for the GPU harness).
+    Without ``extensions``, the compiled extension modules (``*.so``) stay
+    out: the Python tree alone, for importing where they cannot load.
     """
     pristine = Pristine(base)
     if out.exists() and any(out.iterdir()):
@@ -557,6 +559,8 @@ def materialize(base: Base, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in pristine.names:
         top = name.split("/", 1)[0]
+        if not extensions and ".so" in Path(name).suffixes:
+            continue
         if top == "vllm" or (top.endswith(".dist-info") and name.endswith("METADATA")):
             dst = out / name
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -607,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("materialize", help="write the forked package tree to DIR")
     m.add_argument("--base", choices=sorted(FLAVOURS), default="cuda")
     m.add_argument("--vllm", choices=sorted(SUPPORTED), default=DEFAULT_VERSION)
+    m.add_argument(
+        "--without-extensions", action="store_true", help="leave out *.so files"
+    )
     m.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     site = args.site_packages or default_site_packages()
@@ -630,7 +637,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.verb == "modules":
             modules()
         elif args.verb == "materialize":
-            materialize(Base(args.base, args.vllm), args.out)
+            materialize(
+                Base(args.base, args.vllm), args.out, not args.without_extensions
+            )
         else:
             status(site)
     except ForkError as exc:
