@@ -389,7 +389,8 @@ def worker(setting: str) -> dict:
     llm = LLM(**kw)
     row["init_s"] = round(time.time() - t, 1)
     cfg = llm.llm_engine.vllm_config
-    row["use_v2_model_runner"] = bool(cfg.use_v2_model_runner)
+    # vLLM 0.34 has no other runner (the flag is gone with Model Runner V1).
+    row["use_v2_model_runner"] = bool(getattr(cfg, "use_v2_model_runner", True))
     row["async_scheduling"] = cfg.scheduler_config.async_scheduling
 
     # Warm-up of the timed round's shape (prefill of SEQS x PROMPT, decode

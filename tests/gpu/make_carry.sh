@@ -22,6 +22,10 @@ WHEEL=$(ls "$ROOT"/.cache/wheels/cuda-"$VLLM"/vllm-"$VLLM"-*.whl)
 STAGE=$(mktemp -d "$ROOT/.cache/carry.XXXXXX")
 trap 'rm -rf "$STAGE"' EXIT
 [ -d .devcarry-wheels ] || bash "$SHARED/fetch_wheels.sh" .devcarry-wheels
+# vLLM 0.34.0's serving modules import orjson (0.32.0's do not).
+ls .devcarry-wheels/orjson-* >/dev/null 2>&1 || .venv/bin/python -m pip download -q \
+  --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 -d .devcarry-wheels orjson==3.13.0
 mkdir -p .devcarry
 .venv/bin/python tools/fork.py materialize --base cuda --vllm "$VLLM" "$STAGE/fork"
 # Every top-level package materialize wrote beside vllm/ travels with it.

@@ -254,7 +254,8 @@ def run(spec: dict, out_prefix: str) -> dict:
     llm = LLM(**kw)
     res["init_s"] = round(time.time() - t, 1)
     cfg = llm.llm_engine.vllm_config
-    res["use_v2_model_runner"] = bool(cfg.use_v2_model_runner)
+    # vLLM 0.34 has no other runner (the flag is gone with Model Runner V1).
+    res["use_v2_model_runner"] = bool(getattr(cfg, "use_v2_model_runner", True))
     res["async_scheduling"] = cfg.scheduler_config.async_scheduling
     res["chunked_prefill"] = cfg.scheduler_config.enable_chunked_prefill
     res["max_num_batched_tokens"] = cfg.scheduler_config.max_num_batched_tokens
