@@ -134,9 +134,15 @@ class ArtifactWorkerConnector:
     """Worker side; see the module docs. ``publisher`` is None except on the
     first tensor-parallel rank."""
 
-    def __init__(self, capture: CaptureState, publisher: ArtifactPublisher | None):
+    def __init__(
+        self,
+        capture: CaptureState,
+        publisher: ArtifactPublisher | None,
+        vllm_config: VllmConfig | None = None,
+    ):
         self._capture = capture
         self._publisher = publisher
+        self._vllm_config = vllm_config
         # The store's counters for the metrics: when they are due next, the
         # last ones sent, and whether the last meta let attempts go (the
         # next empty step reports the store once that is done).
@@ -151,13 +157,45 @@ class ArtifactWorkerConnector:
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
     ) -> ArtifactWorkerConnector:
+        """Both phases at once, once the KV cache config is known (Model
+        Runner V2 of vLLM 0.32)."""
+        connector = cls.bind(model, vllm_config)
+        connector.initialize_storage(kv_cache_config)
+        return connector
+
+    @classmethod
+    def bind(
+        cls,
+        model: torch.nn.Module,
+        vllm_config: VllmConfig,
+        previous: ArtifactWorkerConnector | None = None,
+    ) -> ArtifactWorkerConnector:
+        """Phase one, on every tensor-parallel rank: bind the capturer to the
+        model's routers. Model Runner V2 of vLLM 0.34 calls it in
+        profile_run(), before the profiling forward compiles the model, so
+        the compiled graph calls the capture hooks. ``previous``: the
+        connector of an earlier binding, whose store (if any) carries over."""
+        spec = routed_experts_row_spec(vllm_config)
+        connector = cls(CaptureState(model, vllm_config, spec), None, vllm_config)
+        if previous is not None:
+            connector._publisher, previous._publisher = previous._publisher, None
+        return connector
+
+    def initialize_storage(self, kv_cache_config: KVCacheConfig) -> None:
+        """Phase two, once the KV cache config is known (the store keys
+        objects by hash block): on the first tensor-parallel rank, the
+        store, the row slab and the publisher. Called again, it replaces
+        them."""
         from vllm.distributed.parallel_state import get_tp_group
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
-        spec = routed_experts_row_spec(vllm_config)
-        capture = CaptureState(model, vllm_config, spec)
+        vllm_config = self._vllm_config
+        if vllm_config is None:
+            raise RuntimeError("initialize_storage() needs a connector from bind()")
         if not get_tp_group().is_first_rank:
-            return cls(capture, None)
+            return
+        self.close()  # the same namespace: the old store goes first
+        spec = self._capture.spec
         cfg = vllm_config.artifact_config
         sched = vllm_config.scheduler_config
         _, block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -208,7 +246,7 @@ class ArtifactWorkerConnector:
             capacity / (1 << 30),
             slab.nbytes / (1 << 20),
         )
-        return cls(capture, publisher)
+        self._publisher = publisher
 
     def begin_step(self, meta: ArtifactSchedulerMeta | None) -> None:
         """Take the scheduler's messages for this step (main thread); they
