@@ -291,6 +291,17 @@ def test_hash_ignores_capacity_shm_root_ttl_and_instance_id(tiny_moe):
     assert not os.path.lexists(_shm_name("hash"))  # building creates no store
 
 
+def test_compile_factors_are_the_switch_only():
+    """vLLM 0.34 keys its compile cache on compile_factors(); 0.32 on
+    compute_hash(), which hashes the same factors."""
+    from vllm.config.utils import hash_factors
+
+    on = ArtifactConfig(enable_routed_experts=True, capacity_bytes=1 << 20)
+    assert on.compile_factors() == {"enable_routed_experts": True}
+    assert ArtifactConfig().compile_factors() == {"enable_routed_experts": False}
+    assert on.compute_hash() == hash_factors(on.compile_factors())
+
+
 # --------------------------------------------------------------------------
 # 3. verify_artifact_config: every rejection names its fix
 # --------------------------------------------------------------------------
@@ -310,6 +321,28 @@ def test_rejects_v1_model_runner(tiny_moe, v1_model_runner):
     with _rejects(FIX_V2):
         _build_r3(tiny_moe)
     assert _build(tiny_moe).use_v2_model_runner is False  # off: accepted
+
+
+def test_rejects_standalone_cpu_model_runner(tiny_moe, monkeypatch):
+    """vLLM 0.34 runs a standalone CPU model runner (no Triton, non-x86) that
+    has none of Model Runner V2's capture hooks: refused. 0.32's platforms
+    have no such runner (the method is absent), so it is added here."""
+    from vllm.platforms import current_platform
+
+    cfg = _build_r3(tiny_moe)
+    platform_cls = type(current_platform)
+    monkeypatch.setattr(
+        platform_cls,
+        "uses_standalone_cpu_model_runner",
+        classmethod(lambda cls: True),
+        raising=False,
+    )
+    with _rejects("serve routed experts on a GPU, or on an x86 CPU"):
+        verify_artifact_config(cfg)
+    monkeypatch.setattr(
+        platform_cls, "uses_standalone_cpu_model_runner", classmethod(lambda cls: False)
+    )
+    verify_artifact_config(cfg)  # Model Runner V2: accepted
 
 
 def test_rejects_pooling_runner(tiny_moe):

@@ -214,12 +214,16 @@ class ArtifactConfig:
     """Identifies this engine's store. Generated: a fresh one is drawn for
     every engine, so a value given here is replaced."""
 
+    def compile_factors(self) -> dict[str, object]:
+        """Only the switch changes the compiled graph (the capture hooks are
+        bound into it). vLLM 0.34 keys its compile cache on these."""
+        return {"enable_routed_experts": self.enable_routed_experts}
+
     def compute_hash(self) -> str:
-        """Only the switch changes the compiled graph (it keeps the router
-        outside it and binds the capture hooks)."""
+        """The compile factors hashed, for vLLM 0.32's compile cache key."""
         from vllm.config.utils import hash_factors
 
-        return hash_factors({"enable_routed_experts": self.enable_routed_experts})
+        return hash_factors(self.compile_factors())
 
     def namespace(self, data_parallel_rank: int) -> str:
         """The store's namespace, the same in the worker that writes it and
@@ -306,8 +310,18 @@ def verify_artifact_config(vllm_config: "VllmConfig") -> None:
     def reject(problem: str, fix: str) -> None:
         raise ValueError(f"{flag} {problem}; {fix}.")
 
-    if not vllm_config.use_v2_model_runner:
+    # Model Runner V1 exists up to vLLM 0.33 (use_v2_model_runner); 0.34
+    # runs Model Runner V2 or, on CPUs without Triton, a standalone runner.
+    has_v1 = hasattr(type(vllm_config), "use_v2_model_runner")
+    if has_v1 and not vllm_config.use_v2_model_runner:
         reject(*_why_model_runner_v1(vllm_config))
+    if _uses_standalone_cpu_model_runner():
+        reject(
+            "needs Model Runner V2's routed-experts capture, which the CPU model "
+            "runner without Triton (vLLM's standalone CPU runner, used on non-x86 "
+            "CPUs) does not have",
+            "serve routed experts on a GPU, or on an x86 CPU",
+        )
     if model.runner_type != "generate":
         reject(
             f"needs a generating model runner, got --runner {model.runner_type}",
@@ -424,25 +438,39 @@ def check_prefix_caching_for_routed_experts(vllm_config: "VllmConfig") -> None:
     )
 
 
+def _uses_standalone_cpu_model_runner() -> bool:
+    """Whether Model Runner V2 runs as vLLM's standalone CPU runner (0.34 and
+    later; it has none of the GPU runner's hooks). False where the platform
+    cannot say (0.32)."""
+    from vllm.platforms import current_platform
+
+    check = getattr(current_platform, "uses_standalone_cpu_model_runner", None)
+    return bool(check()) if check is not None else False
+
+
 def _why_model_runner_v1(vllm_config: "VllmConfig") -> tuple[str, str]:
     """(problem, fix) for a configuration that runs the V1 model runner, in
-    the order ``VllmConfig.use_v2_model_runner`` decides."""
+    the order ``VllmConfig.use_v2_model_runner`` decides. Only vLLM up to 0.33
+    has a V1 runner; the names read here are looked up, not imported, so the
+    module loads where they are gone."""
     import vllm.config.vllm as vllm_module
     import vllm.envs as envs
 
-    if envs.VLLM_USE_V2_MODEL_RUNNER is not None:  # set to 0
+    if getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None) is not None:  # set to 0
         return (
             "needs Model Runner V2, and VLLM_USE_V2_MODEL_RUNNER=0 selects V1",
             "set VLLM_USE_V2_MODEL_RUNNER=1 (or unset it)",
         )
-    if not vllm_module.HAS_TRITON:
+    if not getattr(vllm_module, "HAS_TRITON", True):
         return (
             "needs Model Runner V2, which vLLM does not use without Triton (it "
             "falls back to the V1 runner)",
             "install Triton, or set VLLM_USE_V2_MODEL_RUNNER=1 where Model "
             "Runner V2 runs without it",
         )
-    unsupported = vllm_config._get_v2_model_runner_unsupported_features()
+    unsupported: list[str] = getattr(
+        vllm_config, "_get_v2_model_runner_unsupported_features", list
+    )()
     if unsupported:
         features = ", ".join(unsupported)
         return (
