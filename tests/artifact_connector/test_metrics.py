@@ -101,13 +101,14 @@ def _prom(enabled: bool, engines=(0,)):
     cfg = SimpleNamespace(
         artifact_config=SimpleNamespace(enable_routed_experts=enabled)
     )
+    # PrometheusStatLogger's metric classes, on a registry of the test's.
+    stat_logger = SimpleNamespace(
+        _gauge_cls=functools.partial(Gauge, registry=reg),
+        _counter_cls=functools.partial(Counter, registry=reg),
+        _histogram_cls=functools.partial(Histogram, registry=reg),
+    )
     prom = ArtifactProm(
-        cfg,
-        LABELS,
-        {i: ["tiny", str(i)] for i in engines},
-        functools.partial(Gauge, registry=reg),
-        functools.partial(Counter, registry=reg),
-        functools.partial(Histogram, registry=reg),
+        stat_logger, cfg, LABELS, {i: ["tiny", str(i)] for i in engines}
     )
     return prom, reg
 

@@ -168,18 +168,21 @@ class ArtifactStatsCollector:
 
 class ArtifactProm:
     """The R3 metrics on vLLM's Prometheus ``/metrics``; built by
-    ``PrometheusStatLogger`` with its metric classes and labels. Registers
-    nothing when routed experts are off."""
+    ``PrometheusStatLogger`` (``stat_logger``), whose metric classes
+    (``_gauge_cls``, ``_counter_cls``, ``_histogram_cls``: class attributes a
+    subclass may replace) and labels it uses. Registers nothing when routed
+    experts are off."""
 
     def __init__(
         self,
+        stat_logger: Any,
         vllm_config: VllmConfig,
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-        gauge_cls: Any,
-        counter_cls: Any,
-        histogram_cls: Any,
     ) -> None:
+        gauge_cls = stat_logger._gauge_cls
+        counter_cls = stat_logger._counter_cls
+        histogram_cls = stat_logger._histogram_cls
         self.enabled = vllm_config.artifact_config.enable_routed_experts
         if not self.enabled:
             return
