@@ -479,11 +479,96 @@ _C_FALSE_QUERIES = (
 )
 
 
+# vLLM 0.34's router linear (GateLinear) picks CuTe DSL kernels on Hopper and
+# Blackwell and registers their warm-up when it is built; the DSL (the
+# nvidia-cutlass-dsl wheel) is not on the device machine. The harness builds
+# every GateLinear as on another GPU, so it runs the plain linear, as 0.32's
+# did; the base and the fork get the same (both trees load this shim).
+_GATE_LINEAR = "vllm.model_executor.layers.fused_moe.router.gate_linear"
+
+
+class _NoSpecialisedGemm:
+    """The platform, except that no device capability matches."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def is_device_capability(self, *args, **kwargs):
+        return False
+
+    def is_device_capability_family(self, *args, **kwargs):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+
+def _plain_gate_linear(module) -> None:
+    cls = getattr(module, "GateLinear", None)
+    if cls is None:
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        platform = module.current_platform
+        module.current_platform = _NoSpecialisedGemm(platform)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            module.current_platform = platform
+
+    cls.__init__ = __init__
+    print("[pyshim] GateLinear: plain linear (no CuTe DSL)", file=sys.stderr)
+
+
+class _PatchOnImport:
+    """A meta-path finder that lets ``name`` load as usual, then calls
+    ``patch(module)``."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        patch = self.patch
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+# vLLM 0.34's kernel warm-up imports MiniMax M3's MSA warm-up on every CUDA
+# run, and its modules import the CuTe DSL: a no-op stands in (the harness
+# serves other models; on 0.32 the name is unused).
+_MSA_WARMUP = "vllm.model_executor.warmup.minimax_m3_msa_warmup"
+
+
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
     _INSTALLED = True
+    if _MSA_WARMUP not in sys.modules:
+        import types
+
+        stub = types.ModuleType(_MSA_WARMUP)
+        stub.minimax_m3_msa_warmup = lambda worker: None  # type: ignore[attr-defined]
+        sys.modules[_MSA_WARMUP] = stub
+    if _GATE_LINEAR in sys.modules:
+        _plain_gate_linear(sys.modules[_GATE_LINEAR])
+    else:
+        sys.meta_path.insert(0, _PatchOnImport(_GATE_LINEAR, _plain_gate_linear))
     c = _ns("_C")
     for fn in (
         silu_and_mul,
