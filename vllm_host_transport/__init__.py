@@ -12,11 +12,7 @@ uses its ``safe_fs`` and ``process_identity``.
 Linux only. See ``docs/design/host_transport.md``.
 """
 
-from vllm_host_transport.codec import (
-    CorruptFrame,
-    FrameCodec,
-    PayloadTooLarge,
-)
+from vllm_host_transport.codec import FrameCodec
 from vllm_host_transport.config import (
     DEFAULT_HOST_RING_BYTES,
     MAX_HOST_RING_BYTES,
@@ -26,6 +22,7 @@ from vllm_host_transport.config import (
 )
 from vllm_host_transport.connector import HostTransportConnector
 from vllm_host_transport.discovery import HostTransportError
+from vllm_host_transport.frame import CorruptFrame, PayloadTooLarge
 from vllm_host_transport.receiver import receive_payload
 
 __all__ = [

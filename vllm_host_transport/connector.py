@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The host-transport connector: same-node payload hand-off by key.
 
-Two data planes share one wire format (:mod:`.codec`):
+Two data planes share one wire format (:mod:`.frame`):
 
 * the host ring (:mod:`.ring`), one per (producer process, edge), allocated on
   the first put of that edge, for frames up to a quarter of its capacity;

@@ -6,7 +6,7 @@ Each payload is one file ``<h>.seg`` in the scope directory plus a lock file
 ``<h>.lock``, where ``<h>`` is a hash of (edge, key). A segment file is::
 
     [segment header 64 B: magic | producer pid | producer start | key hash]
-    [tensor frame, see .codec]
+    [tensor frame, see .frame]
 
 The writer takes the lock exclusively, writes a temporary file and renames it
 over ``<h>.seg`` (which retires an unclaimed earlier version). A reader only
@@ -26,13 +26,13 @@ import struct
 import time
 from typing import Any
 
-from vllm_host_transport.codec import (
+from vllm_host_transport.discovery import producer_alive
+from vllm_host_transport.frame import (
     CorruptFrame,
     EncodedFrame,
     RawFrame,
     write_frame_to_fd,
 )
-from vllm_host_transport.discovery import producer_alive
 
 SEG_MAGIC = b"VHTSEG01"
 SEG_HEADER = struct.Struct("<8sQQ16s")

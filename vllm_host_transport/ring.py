@@ -24,7 +24,7 @@ Every frame is 64-byte aligned and starts with a 32-byte record::
 
     u32 length | u8 state | 3 B pad | u64 absolute position | 16 B key hash
 
-followed by a tensor frame (see :mod:`.codec`). A frame never wraps: when it
+followed by a tensor frame (see :mod:`.frame`). A frame never wraps: when it
 does not fit before the end of the data area the producer writes a ``PAD``
 record up to the end and continues at offset 0.
 
@@ -62,7 +62,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vllm_host_transport.codec import EncodedFrame, RawFrame
+from vllm_host_transport.frame import EncodedFrame, RawFrame
 
 RING_MAGIC = 0x31474E4952544856  # "VHTRING1"
 RING_VERSION = 3  # 3: the SPILLING state

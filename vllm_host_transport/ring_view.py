@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from vllm_host_transport import ring
-from vllm_host_transport.codec import CorruptFrame
+from vllm_host_transport.frame import CorruptFrame
 from vllm_host_transport.ring import (
     BUSY,
     CORRUPT,

@@ -23,13 +23,9 @@ from typing import Any
 from vllm_host_transport import perkey
 from vllm_host_transport import ring as ringmod
 from vllm_host_transport import shared as _pid
-from vllm_host_transport.codec import (
-    EncodedFrame,
-    FrameCodec,
-    PayloadTooLarge,
-    RawFrame,
-)
+from vllm_host_transport.codec import FrameCodec
 from vllm_host_transport.discovery import HostTransportError, ScopeDir
+from vllm_host_transport.frame import EncodedFrame, PayloadTooLarge, RawFrame
 from vllm_host_transport.liveness import member_name
 from vllm_host_transport.shared import Shared
 from vllm_host_transport.shared import edge_hex as _edge_hex

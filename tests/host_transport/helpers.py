@@ -42,7 +42,7 @@ def put_then_die(scope: str, ring: int, key: str, value: Any) -> None:
 
 
 def die_mid_publication(scope: str, ring: int, key: str) -> None:
-    from vllm_host_transport import codec
+    from vllm_host_transport import frame as framemod
 
     c = conn(scope, ring)
     c.put("p", "c", "warmup", 1)  # the ring exists and is registered
@@ -51,11 +51,11 @@ def die_mid_publication(scope: str, ring: int, key: str) -> None:
         dst[: len(dst) // 2] = b"\x01" * (len(dst) // 2)
         os._exit(0)
 
-    codec.EncodedFrame.write_into = partial_write  # type: ignore[method-assign]
-    codec.write_frame_to_fd = lambda fd, frame: os._exit(0)  # type: ignore
+    framemod.EncodedFrame.write_into = partial_write  # type: ignore[method-assign]
+    framemod.write_frame_to_fd = lambda fd, frame: os._exit(0)  # type: ignore
     from vllm_host_transport import perkey
 
-    perkey.write_frame_to_fd = codec.write_frame_to_fd  # type: ignore
+    perkey.write_frame_to_fd = framemod.write_frame_to_fd  # type: ignore
     c.put("p", "c", key, {"x": list(range(10))})
     os._exit(1)  # not reached
 

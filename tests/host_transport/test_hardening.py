@@ -323,13 +323,13 @@ def test_pickled_value_in_a_frame_is_refused(make_conn, monkeypatch):
 
     import msgspec
 
-    from vllm_host_transport import codec as codecmod
+    from vllm_host_transport import serial as serialmod
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     c = make_conn(TINY_RING)
     pickled = msgspec.msgpack.Ext(1, pickle.dumps({"unpickled": True}))
     monkeypatch.setattr(
-        codecmod._serial_classes()[0],  # the serializer's encoder class
+        serialmod._serial_classes()[0],  # the serializer's encoder class
         "encode",
         lambda self, obj: [msgspec.msgpack.encode(pickled)],
     )

@@ -24,7 +24,7 @@ from vllm_host_transport import (
     discovery,
     perkey,
 )
-from vllm_host_transport import codec as codecmod
+from vllm_host_transport import frame as framemod
 from vllm_host_transport import ring as ringmod
 from vllm_host_transport import ring_view as viewmod
 
@@ -613,16 +613,16 @@ def test_corrupt_tensor_dict_header_is_none_plus_counter(make_conn, field, value
     assert desc["plane"] == "ring"
     mv = prod._sender._edges[("p", "c")].ring._mv
     base = ringmod.HEADER_SIZE + desc["pos"] + ringmod.FRAME_HDR
-    prefix = codecmod.PREFIX.unpack_from(mv, base)
-    assert prefix[1] == codecmod.KIND_TDICT
+    prefix = framemod.PREFIX.unpack_from(mv, base)
+    assert prefix[1] == framemod.KIND_TDICT
     hl = prefix[4]
-    start = base + codecmod.PREFIX_SIZE
+    start = base + framemod.PREFIX_SIZE
     items = msgspec.msgpack.decode(bytes(mv[start : start + hl]))
-    small_start = base + codecmod._align(codecmod.PREFIX_SIZE + hl)
+    small_start = base + framemod._align(framemod.PREFIX_SIZE + hl)
     small = bytes(mv[small_start : small_start + prefix[5]])
     items[field] = value
-    frame = codecmod.EncodedFrame(
-        codecmod.KIND_TDICT,
+    frame = framemod.EncodedFrame(
+        framemod.KIND_TDICT,
         msgspec.msgpack.encode(items),
         [(0, memoryview(small))],
         [],
@@ -699,7 +699,7 @@ def test_fallback_miss_attaches_nothing_logs_no_error(make_conn, monkeypatch, ca
         assert c.get_with_deadline("p", "c", "nothing", deadline=0) is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert c.health()["rings_mapped"] == 0
-    assert codecmod  # module used for monkeypatching in helpers
+    assert framemod  # module used for monkeypatching in helpers
 
 
 def test_successive_producers_in_one_process_are_seen(make_conn, ring_bytes):
