@@ -209,17 +209,18 @@ class Engine:
 
 def count_thread_cpu(pub: ArtifactPublisher) -> list[int]:
     """Accumulate the publication thread's CPU time spent on work items
-    (``_process``; the idle upkeep is not counted) into the returned list's
-    single element, in nanoseconds. Benchmark-side instrumentation."""
+    (``PublicationThread._process``; the idle upkeep is not counted) into the
+    returned list's single element, in nanoseconds. Benchmark-side
+    instrumentation."""
     total = [0]
-    process = pub._process
+    process = pub._publication._process
 
     def timed(work):
         t0 = time.thread_time_ns()
         process(work)
         total[0] += time.thread_time_ns() - t0
 
-    pub._process = timed  # type: ignore[method-assign]
+    pub._publication._process = timed  # type: ignore[method-assign]
     return total
 
 
@@ -241,7 +242,7 @@ def bench_decode_step(root: str, steps: int) -> dict:
         eng.pub.flush()
         eng.pub.wait_idle(60)
         flush_t, write_t, blocks = [], [], []
-        clock = time.pthread_getcpuclockid(eng.pub._thread.ident)  # type: ignore[arg-type]
+        clock = time.pthread_getcpuclockid(eng.pub._publication._thread.ident)  # type: ignore[arg-type]
         cpu0 = time.clock_gettime(clock)
         for s in range(steps):
             meta, w, f = eng.timed_step(decode_counts(s), gather)

@@ -43,7 +43,7 @@ float32 by default; ``max_position`` raised for the long request),
    arrays) and on the worker's step thread
    (``begin_step``, ``prepare_step``, ``enqueue_cpu_copy``, ``process``,
    ``no_forward``), with the per-method split, the publication thread's CPU
-   per step (``ArtifactPublisher._process``/``_upkeep``, thread CPU time),
+   per step (``PublicationThread._process``/``_upkeep``, thread CPU time),
    and the step's mean wall time for scale. The last timers run also
    serves the long request with the wrappers on: the time of the
    ``update_from_output`` call that takes its acknowledgement, of the route
@@ -238,15 +238,15 @@ if os.environ.get("BENCH_R3_TIMERS"):
 
         mod.RouteResults.take = take
 
-    def _patch_publisher(mod):
-        p = mod.ArtifactPublisher
+    def _patch_publication(mod):
+        p = mod.PublicationThread
         _wrap(p, "_process", "thread._process", thread_cpu=True)
         _wrap(p, "_upkeep", "thread._upkeep", thread_cpu=True)
 
     _TARGETS = {
         "vllm.distributed.artifact_connector.scheduler": _patch_scheduler,
         "vllm.distributed.artifact_connector.worker": _patch_worker,
-        "vllm.distributed.artifact_connector.publisher": _patch_publisher,
+        "vllm.distributed.artifact_connector.publication": _patch_publication,
         "vllm.distributed.artifact_connector.route_reader": _patch_route_reader,
         "vllm.distributed.artifact_connector.route_results": _patch_route_results,
     }

@@ -370,16 +370,17 @@ def _stall_publication(worker) -> bool:
     publisher = worker.model_runner.artifact_connector._publisher
     if publisher is None:
         return False
+    publication = publisher._publication
     gate, entered = threading.Event(), threading.Event()
-    process = publisher._process
+    process = publication._process
 
     def stalled(work):
         entered.set()
         gate.wait(STALL_S)
         process(work)
 
-    publisher._process = stalled
-    worker._r3_stall = (publisher, process, gate, entered)
+    publication._process = stalled
+    worker._r3_stall = (publication, process, gate, entered)
     return True
 
 
@@ -389,8 +390,8 @@ def _resume_publication(worker) -> bool | None:
     stall = getattr(worker, "_r3_stall", None)
     if stall is None:
         return None
-    publisher, process, gate, entered = stall
-    publisher._process = process
+    publication, process, gate, entered = stall
+    publication._process = process
     gate.set()
     del worker._r3_stall
     return entered.is_set()

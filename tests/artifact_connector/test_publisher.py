@@ -21,10 +21,10 @@ from vllm.distributed.artifact_connector.protocol import (
     Finalize,
     Release,
 )
+from vllm.distributed.artifact_connector.publication import PublisherClosedError
 from vllm.distributed.artifact_connector.publisher import (
     GATHER_STEPS,
     ArtifactPublisher,
-    PublisherClosedError,
 )
 from vllm.distributed.artifact_connector.request_core import (
     KeySpace,
@@ -489,7 +489,7 @@ def test_close_joins_the_thread_and_later_use_is_an_error(shm_root):
         [("r", 0, 0, routes(1, 2))],
     )
     h.close()
-    assert not h.pub._thread.is_alive()
+    assert not h.pub._publication._thread.is_alive()
     with pytest.raises(PublisherClosedError):
         h.pub.flush()
 
@@ -501,7 +501,7 @@ def test_a_dead_publication_thread_is_reported_not_waited_for(shm_root):
         def crash(work):
             raise RuntimeError("bug in the publication thread")
 
-        h.pub._process = crash  # the thread's next item kills it
+        h.pub._publication._process = crash  # the thread's next item kills it
         h.pub.apply(ArtifactSchedulerMeta(starts=(AttemptStart("r", 0, 0),)))
         h.pub.flush()
         with pytest.raises(PublisherClosedError, match="bug in the publication"):

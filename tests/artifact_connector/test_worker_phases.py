@@ -70,7 +70,7 @@ def test_bind_then_storage(setup, shm_root):
     # Storage initialized again: the old publisher (same namespace) goes first.
     again.initialize_storage(kv_cache_config=None)
     assert again._publisher is not None and again._publisher is not first
-    assert first._closed
+    assert first._publication._closed
     again.close()
     assert again._publisher is None
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Worker-side publication, off the step loop (global rank 0 only).
+"""Worker-side publication, the engine's side (global rank 0 only).
 
 The engine's thread feeds :class:`ArtifactPublisher` with the scheduler's
 messages (:meth:`~ArtifactPublisher.apply`) and each step's captured rows
@@ -8,51 +8,39 @@ messages (:meth:`~ArtifactPublisher.apply`) and each step's captured rows
 :meth:`~ArtifactPublisher.flush` once per step. ``flush`` collects what the
 step made publishable (full blocks whose hash is known, finalisations whose
 rows have all arrived) into one work item and hands it to the publication
-thread through a bounded queue; it returns at once unless the queue is full
-(back-pressure). A step whose work is only full blocks of running requests
-may gather them with the next steps' (at most ``GATHER_STEPS`` steps,
-``GATHER_OBJECTS`` objects): nothing waits for those, and a work item's
-fixed cost then pays for more objects. The thread publishes a work item
-with one ``put_batch`` (one arena write, one index append), then produces
-the acknowledgements; items run in order, so a request's blocks are always
-in the store before its acknowledgement. The engine's thread collects
+thread (:class:`~.publication.PublicationThread`, which publishes it off the
+step loop) through a bounded queue; it returns at once unless the queue is
+full (back-pressure). A step whose work is only full blocks of running
+requests may gather them with the next steps' (at most ``GATHER_STEPS``
+steps, ``GATHER_OBJECTS`` objects): nothing waits for those, and a work
+item's fixed cost then pays for more objects. The engine's thread collects
 acknowledgements and failures with :meth:`~ArtifactPublisher.report`.
+Everything here runs on the engine's threads (Model Runner V2's main thread
+for the messages, its output thread for the rows; the attempt table under
+one lock); the publication thread's work is in ``publication.py``.
 
 Retention: an attempt retains the objects of its prefix hit when it starts
 (keys a sibling has not published yet included) and everything it
 publishes, until the scheduler releases it after reading the
 acknowledgement, or until it is discarded or fails.
 
-State: one table of attempts (:class:`_Attempt`), owned by the engine side
-under its one lock; the table also answers which attempt a request's rows
-belong to (:meth:`~ArtifactPublisher.current_attempts`). An attempt leaves
-the table when it is finalised, drained or failed; the work items that
-still refer to it keep the record alive for the publication thread, which
-alone writes its thread-side fields (the prefix keys and the references it
-published), so nothing outlives the attempt's last work item.
-
-A failure in the thread fails exactly the attempts of the work item it hit
-(:class:`~.protocol.AttemptFailed` with the error's type and message);
-nothing is retained for them afterwards and none of their later work runs.
-Pulls from a shared tier (:class:`~.protocol.PullRoutes`) start with the
-step's work and run on the tier's own thread; when one ends, that thread
-wakes this one, which puts what it fetched into the store and reports it.
-Whenever the queue is empty (after an item, and every ``idle_upkeep_s`` with
-nothing to do) the thread runs the store's upkeep: it prepares the next arena
-ahead of need, compacts the log, and collects stale stores when due.
+State: one table of attempts (:class:`~.publication.Attempt`), owned by the
+engine side under its one lock; the table also answers which attempt a
+request's rows belong to (:meth:`~ArtifactPublisher.current_attempts`). An
+attempt leaves the table when it is finalised, drained or failed; the work
+items that still refer to it keep the record alive for the publication
+thread, which alone writes its thread-side fields (the prefix keys and the
+references it published), so nothing outlives the attempt's last work item.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -63,32 +51,21 @@ from vllm.distributed.artifact_connector.buffer import (
     as_row_cells,
 )
 from vllm.distributed.artifact_connector.protocol import (
-    Abort,
     ArtifactSchedulerMeta,
     ArtifactWorkerReport,
     AttemptFailed,
     AttemptId,
-    Finalize,
     FinalizeAck,
-    ObjectRefs,
-    PullRoutes,
 )
-from vllm.distributed.artifact_connector.request_core import (
-    ENVELOPE_NBYTES,
-    CoverageError,
-    KeySpace,
-    check_coverage,
-    encode_objects,
+from vllm.distributed.artifact_connector.publication import (
+    Attempt,
+    PublicationThread,
+    PublishObject,
+    WorkItem,
 )
-from vllm.distributed.artifact_connector.store import (
-    ArtifactError,
-    ObjectMissingError,
-    ObjectStoreWriter,
-)
-from vllm.logger import init_logger
+from vllm.distributed.artifact_connector.request_core import CoverageError, KeySpace
+from vllm.distributed.artifact_connector.store import ArtifactError, ObjectStoreWriter
 from vllm.utils.routed_experts_rows import RowSpec
-
-logger = init_logger(__name__)
 
 # Weight versions remembered to name a prefix miss's cause (a mismatch).
 MAX_VERSIONS_SEEN = 16
@@ -99,14 +76,6 @@ MAX_VERSIONS_SEEN = 16
 # decode_step; docs/benchmarks.md, "The rerun of issue 28's table").
 GATHER_STEPS = 4
 GATHER_OBJECTS = 64
-
-
-class WeightVersionMismatchError(ArtifactError):
-    """A prefix-cache hit landed on blocks computed under other weights."""
-
-
-class PublisherClosedError(ArtifactError):
-    """The publication thread stopped (closed, or died of an error)."""
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -125,76 +94,9 @@ def _engine_side(method: _Method) -> _Method:
     return cast(_Method, locked)
 
 
-def _owner(aid: AttemptId) -> str:
-    return f"{aid[0]}#{aid[1]}"
-
-
-@dataclass(eq=False)
-class _Attempt:
-    """One attempt. Engine side (under the engine lock): its unpublished
-    rows (and, in their cursor slot, where its last step's rows ended), the
-    block hashes not used yet, how it ends. Publication thread only: what
-    it retains and published."""
-
-    aid: AttemptId
-    rows: AttemptRows
-    hashes: dict[int, bytes] = field(default_factory=dict)
-    # A finalize (acknowledgement owed) or a discard's drain: ends once the
-    # rows up to ``ends_at`` arrived, or at the deadline.
-    finalize: Finalize | None = None
-    drain_rows: int | None = None
-    deadline: float = 0.0
-    # Publication thread.
-    prefix_version: str = ""
-    prefix_hashes: tuple[bytes, ...] = ()
-    prefix_keys: list[str] = field(default_factory=list)
-    # (key, first row, rows, checksum, weight version) of each own object.
-    own_refs: list[tuple[str, int, int, int, str]] = field(default_factory=list)
-    failed: bool = False
-
-
-class _Object(NamedTuple):
-    """One object to publish: rows of page ``page`` of the slab."""
-
-    att: _Attempt
-    start: int
-    num_rows: int
-    page: int
-    block_hash: bytes
-    weight_version: str
-    tail: bool
-
-    def is_tail(self) -> bool:
-        return self.tail
-
-
-@dataclass
-class _Work:
-    """Everything one step hands to the publication thread, in the order it
-    runs: pulls, retains, one put of all objects, acknowledgements,
-    releases."""
-
-    pulls: list[PullRoutes] = field(default_factory=list)
-    starts: list[_Attempt] = field(default_factory=list)
-    objects: list[_Object] = field(default_factory=list)
-    finalizes: list[tuple[_Attempt, Finalize]] = field(default_factory=list)
-    releases: list[AttemptId] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.pulls or self.starts or self.objects or self.finalizes or self.releases
-        )
-
-
-class _Pulled:
-    """Put on the publication thread's queue when a pull ended."""
-
-
-_PULLED = _Pulled()
-
-
 class ArtifactPublisher:
-    """See the module docs. Owns ``writer`` and closes it."""
+    """See the module docs. Owns ``writer`` and closes it (through its
+    publication thread)."""
 
     def __init__(
         self,
@@ -211,51 +113,41 @@ class ArtifactPublisher:
         self.spec = spec
         self.slab = slab
         self.block_size = slab.block_size
+        # Read here for its counters only; the publication thread makes the
+        # store calls.
         self._writer = writer
-        self._keys = keyspace
         self._weight_version = weight_version
-        self._versions_seen = [weight_version]
+        self._versions_seen = [weight_version]  # the thread reads it too
         self._finalize_wait_s = finalize_wait_s
-        self._idle_upkeep_s = idle_upkeep_s
         # Engine side: the attempt table, the same by cursor slot, each
         # request's newest attempt (its handle), attempts to look at in the
         # next flush.
-        self._attempts: dict[AttemptId, _Attempt] = {}
-        self._at_slot: dict[int, _Attempt] = {}
+        self._attempts: dict[AttemptId, Attempt] = {}
+        self._at_slot: dict[int, Attempt] = {}
         self._current: dict[str, int] = {}
         self._dirty: set[AttemptId] = set()
-        self._work = _Work()
+        self._work = WorkItem()
         self._gathered = 0  # steps whose full blocks wait in _work
-        # Finalizes handed to the thread (engine side) and answered by it
-        # (thread): an empty step waits until they are equal.
+        # Finalizes handed to the thread (engine side; the thread counts
+        # those answered): an empty step waits until they are equal.
         self._finalizes_handed = 0
-        self._finalizes_answered = 0
-        # Produced by both threads, read by report(), guarded by the condition.
-        self._results: collections.deque[FinalizeAck | AttemptFailed] = (
-            collections.deque()
-        )
-        self._pulled: list[str] = []  # guarded by the condition too
-        self._results_cv = threading.Condition()
         # See _engine_side.
         self._engine_lock = threading.RLock()
-        # Work items, wait_idle's markers (events), pulls that ended and the
-        # stop sentinel; the semaphore bounds the work items (back-pressure).
-        self._queue: queue.SimpleQueue[_Work | threading.Event | _Pulled | None] = (
-            queue.SimpleQueue()
-        )
-        self._free_slots = threading.BoundedSemaphore(max_queued_steps)
-        # Work items handed over (engine thread) and done (publication
-        # thread), and the most a step found still undone since the last
+        # Work items handed over (engine thread; the thread counts those
+        # done), and the most a step found still undone since the last
         # metrics() (each counter has one writer; reads need no lock).
-        self._items_put = self._items_done = self._queue_peak = 0
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._run, name="artifact-publisher", daemon=True
+        self._items_put = self._queue_peak = 0
+        # The thread starts here, after everything above.
+        self._publication = PublicationThread(
+            writer,
+            spec,
+            slab,
+            keyspace,
+            self._versions_seen,
+            max_queued_steps=max_queued_steps,
+            idle_upkeep_s=idle_upkeep_s,
         )
-        self._thread.start()
 
-    # ================================================================ engine
     @property
     def weight_version(self) -> str:
         return self._weight_version
@@ -287,7 +179,7 @@ class ArtifactPublisher:
             if old is not None:  # a repeated start replaces the attempt
                 old.rows.drop()
                 self._remove(old)
-            att = _Attempt(aid, AttemptRows(self.slab, s.cached_rows))
+            att = Attempt(aid, AttemptRows(self.slab, s.cached_rows))
             att.prefix_version = self._weight_version
             att.prefix_hashes = s.prefix_hashes
             self._attempts[aid] = att
@@ -457,7 +349,7 @@ class ArtifactPublisher:
         """Hand what this step made publishable to the publication thread;
         with ``gather``, full blocks alone may wait for the next steps' (see
         the module docs). An engine with nothing to run flushes without."""
-        self._check_thread()
+        self._publication.check_alive()
         work = self._work
         dirty, self._dirty = self._dirty, set()
         attempts_get = self._attempts.get
@@ -479,26 +371,23 @@ class ArtifactPublisher:
             if self._gathered < GATHER_STEPS and len(work.objects) < GATHER_OBJECTS:
                 return
         self._gathered = 0
-        self._work = _Work()
+        self._work = WorkItem()
         # How far behind the thread is (the metrics' queue depth).
-        depth = self._items_put - self._items_done
+        depth = self._items_put - self._publication.items_done
         if depth > self._queue_peak:
             self._queue_peak = depth
-        # Back-pressure when the thread is behind, but never wait on a
-        # dead thread.
-        while not self._free_slots.acquire(timeout=1.0):
-            self._check_thread()
+        self._publication.wait_for_slot()
         self._finalizes_handed += len(work.finalizes)
-        self._queue.put(work)
+        self._publication.put(work)
         self._items_put += 1
 
-    def _collect(self, aid: AttemptId, att: _Attempt, work: _Work) -> bool:
+    def _collect(self, aid: AttemptId, att: Attempt, work: WorkItem) -> bool:
         """Move what ``aid`` made publishable into ``work``; returns whether
         it still waits (a block without its hash, rows of a finalisation)."""
         rows, bs = att.rows, self.block_size
         objects = work.objects
         for start, page, version, h in rows.take_blocks(att.hashes):
-            objects.append(_Object(att, start, bs, page, h, version, False))
+            objects.append(PublishObject(att, start, bs, page, h, version, False))
         if att.drain_rows is not None:
             if rows.end < att.drain_rows and time.monotonic() <= att.deadline:
                 return True  # rows of steps in flight may complete blocks
@@ -539,7 +428,7 @@ class ArtifactPublisher:
             if fin.tail_hash is None:
                 raise CoverageError(f"a {n}-row tail at row {start} but no tail hash")
             work.objects.append(
-                _Object(att, start, n, page, fin.tail_hash, version, True)
+                PublishObject(att, start, n, page, fin.tail_hash, version, True)
             )
         elif fin.tail_hash is not None:
             raise CoverageError("a tail hash for rows that end on a block boundary")
@@ -547,7 +436,7 @@ class ArtifactPublisher:
         self._remove(att)
         return False
 
-    def _remove(self, att: _Attempt) -> None:
+    def _remove(self, att: Attempt) -> None:
         """Take an attempt out of the table (its rows are handed over or
         dropped)."""
         aid = att.aid
@@ -565,39 +454,29 @@ class ArtifactPublisher:
         if att is not None:
             att.rows.drop()
             self._remove(att)
-        self._post(AttemptFailed(aid[0], aid[1], type(error).__name__, str(error)))
+        self._publication.post(
+            AttemptFailed(aid[0], aid[1], type(error).__name__, str(error))
+        )
         self._work.releases.append(aid)
-
-    def _post(self, item: FinalizeAck | AttemptFailed) -> None:
-        with self._results_cv:
-            self._results.append(item)
-            self._results_cv.notify_all()
 
     def wait_for_answers(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until every finalize handed to the
         thread so far has its acknowledgement or failure waiting in
         :meth:`report`; returns whether they all do (an engine with nothing
         else to run uses this instead of spinning)."""
-        handed = self._finalizes_handed
-        with self._results_cv:
-            return self._results_cv.wait_for(
-                lambda: self._finalizes_answered >= handed, timeout_s
-            )
+        return self._publication.wait_answered(self._finalizes_handed, timeout_s)
 
     @_engine_side
     def owes_answers(self) -> bool:
         """Whether finalizes wait for their rows or for the thread."""
-        return self._finalizes_handed > self._finalizes_answered or any(
+        return self._finalizes_handed > self._publication.finalizes_answered or any(
             a.finalize is not None for a in self._attempts.values()
         )
 
     @_engine_side
     def report(self) -> ArtifactWorkerReport:
         """Acknowledgements and failures produced so far."""
-        with self._results_cv:
-            items = list(self._results)
-            self._results.clear()
-            pulled, self._pulled = self._pulled, []
+        items, pulled = self._publication.take_results()
         acks, failures = [], []
         for item in items:
             if isinstance(item, FinalizeAck):
@@ -650,212 +529,8 @@ class ArtifactPublisher:
     def wait_idle(self, timeout_s: float | None = None) -> None:
         """Block until every work item handed over so far is done (tests,
         shutdown)."""
-        self._check_thread()
-        reached = threading.Event()
-        self._queue.put(reached)  # set by the thread after everything before it
-        if not reached.wait(timeout_s):
-            self._check_thread()
-            raise TimeoutError("artifact publication did not finish in time")
-
-    def _check_thread(self) -> None:
-        if self._closed or not self._thread.is_alive():
-            raise PublisherClosedError(
-                "the artifact publication thread is not running"
-                + (f": it died of {self._error!r}" if self._error else "")
-            )
+        self._publication.wait_idle(timeout_s)
 
     def close(self) -> None:
         """Finish the queued work, stop the thread, close the store."""
-        if self._closed:
-            return
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-        self._closed = True
-        self._writer.close()
-
-    # ================================================================ thread
-    def _run(self) -> None:
-        q = self._queue
-        try:
-            while True:
-                try:
-                    item = q.get(timeout=self._idle_upkeep_s)
-                except queue.Empty:
-                    self._upkeep()
-                    continue
-                if item is None:
-                    return
-                if isinstance(item, threading.Event):
-                    item.set()
-                    continue
-                if isinstance(item, _Pulled):
-                    self._report_pulled(self._writer.pulled())
-                    continue
-                try:
-                    self._process(item)
-                finally:
-                    self._items_done += 1
-                    self._free_slots.release()
-                if q.empty():  # between steps: prepare the next arena etc.
-                    self._upkeep()
-        except BaseException as e:  # a bug: reported loudly by the next flush
-            self._error = e
-            logger.exception("artifact publication thread died")
-
-    def _upkeep(self) -> None:
-        try:
-            self._writer.maintain()
-        except (ArtifactError, OSError) as e:
-            logger.warning("artifact store upkeep failed: %s", e)
-
-    def _pull(self, pulls: list[PullRoutes]) -> None:
-        self._report_pulled(
-            [
-                p.req_id
-                for p in pulls
-                if self._writer.pull(p.req_id, p.keys, lambda: self._queue.put(_PULLED))
-            ]
-        )
-
-    def _report_pulled(self, req_ids: list[str]) -> None:
-        """Pulls that ended (at once, or :meth:`ObjectStoreWriter.pulled`'s
-        after a wake-up), for :meth:`report`."""
-        if req_ids:
-            with self._results_cv:
-                self._pulled.extend(req_ids)
-                self._results_cv.notify_all()
-
-    def _process(self, work: _Work) -> None:
-        if work.pulls:
-            self._pull(work.pulls)
-        for att in work.starts:
-            att.prefix_keys = [
-                self._keys.key(att.prefix_version, h, self.block_size, tail=False)
-                for h in att.prefix_hashes
-            ]
-            self._writer.retain(_owner(att.aid), att.prefix_keys)
-        objects = [o for o in work.objects if not o.att.failed]
-        if len(objects) < len(work.objects):
-            self.slab.free_later([o.page for o in work.objects if o.att.failed])
-        if objects:
-            self._publish(objects)
-        if work.finalizes:  # the next engine may ask for them at once
-            self._writer.settle()
-        for att, fin in work.finalizes:
-            if not att.failed:
-                try:
-                    self._post(self._acknowledge(att, fin))
-                except ArtifactError as e:
-                    self._fail_in_thread([att], e)
-            with self._results_cv:
-                self._finalizes_answered += 1
-                self._results_cv.notify_all()
-        for aid in work.releases:
-            self._writer.release(_owner(aid))
-
-    def _publish(self, objects: list[_Object]) -> None:
-        # Full blocks first: encode_objects copies and envelopes them as one
-        # array; tails (one per finishing request) follow.
-        objects.sort(key=_Object.is_tail)
-        key = self._keys.key
-        keys = [
-            key(o.weight_version, o.block_hash, o.num_rows, tail=o.tail)
-            for o in objects
-        ]
-        starts = np.fromiter((o.start for o in objects), np.int64, len(objects))
-        nrows = np.fromiter((o.num_rows for o in objects), np.int64, len(objects))
-        pages = np.fromiter((o.page for o in objects), np.int64, len(objects))
-        tails = nrows < self.block_size
-        try:
-            result = self._writer.put_batch(
-                keys,
-                nrows * self.spec.row_nbytes + ENVELOPE_NBYTES,
-                lambda buf: encode_objects(
-                    self.spec,
-                    keys,
-                    starts,
-                    nrows,
-                    self.slab.pages,
-                    pages,
-                    buf,
-                    tails=tails,
-                ),
-                owners=[_owner(o.att.aid) for o in objects],
-            )
-        except (ArtifactError, OSError) as e:
-            self._fail_in_thread(list(dict.fromkeys(o.att for o in objects)), e)
-            return
-        finally:
-            self.slab.free_later(pages.tolist())
-        for o, ref in zip(objects, result.refs):
-            o.att.own_refs.append(
-                (ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
-            )
-
-    def _acknowledge(self, att: _Attempt, fin: Finalize) -> FinalizeAck:
-        version, prefix_hashes = att.prefix_version, att.prefix_hashes
-        prefix_keys = att.prefix_keys
-        bs = self.block_size
-        rows: list[tuple[str, int, int, int, str]] = []
-        for b, (key, ref) in enumerate(
-            zip(prefix_keys, self._writer.lookup(prefix_keys))
-        ):
-            if ref is None:
-                raise self._prefix_miss(b, key, version, prefix_hashes[b])
-            rows.append((key, b * bs, bs, ref.checksum, version))
-        rows.extend(att.own_refs)
-        columns = [list(c) for c in zip(*rows)] if rows else [[]] * 5
-        refs = ObjectRefs.build(*columns)
-        check_coverage(refs, fin.num_rows)
-        return FinalizeAck(
-            fin.req_id, fin.attempt, fin.num_rows, refs, isinstance(fin, Abort)
-        )
-
-    def _prefix_miss(
-        self, block: int, key: str, version: str, block_hash: bytes
-    ) -> ArtifactError:
-        """The error for a prefix-hit block whose object is missing: a
-        weight-version mismatch when the block exists under other weights."""
-        for other in self._versions_seen:
-            if other == version:
-                continue
-            k = self._keys.key(other, block_hash, self.block_size, tail=False)
-            if self._writer.lookup([k])[0] is not None:
-                return WeightVersionMismatchError(
-                    f"prefix-cache hit on block {block}, computed under weight "
-                    f"version {other!r}, while the engine runs version "
-                    f"{version!r}: routes of other weights are never returned. "
-                    "Reset the prefix cache when you update weights "
-                    "(LLM.reset_prefix_cache(), or POST /reset_prefix_cache)."
-                )
-        error = ObjectMissingError(
-            f"the routes of prefix-cache block {block} (object {key}) are not in "
-            "the artifact store: evicted or never published; the block leaves "
-            "the prefix cache, so the next request recomputes it"
-        )
-        error.lost_block_hash = block_hash  # type: ignore[attr-defined]
-        return error
-
-    def _fail_in_thread(self, atts: list[_Attempt], error: BaseException) -> None:
-        # The message, not the exception: a log record kept by a handler
-        # would keep the exception's frames, and the attempts, alive.
-        logger.warning(
-            "artifact publication failed for %d request(s): %s", len(atts), str(error)
-        )
-        for att in atts:
-            if att.failed:
-                continue
-            att.failed = True
-            att.own_refs.clear()
-            self._writer.release(_owner(att.aid))
-            aid = att.aid
-            self._post(
-                AttemptFailed(
-                    aid[0],
-                    aid[1],
-                    type(error).__name__,
-                    str(error),
-                    getattr(error, "lost_block_hash", None),
-                )
-            )
+        self._publication.close()
