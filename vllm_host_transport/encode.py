@@ -75,28 +75,17 @@ class _TreeWalker:
         self.large_total = 0
         self.meta = msgspec.msgpack.Encoder()
 
-    def _region(self, mv: memoryview) -> tuple[int, int]:
-        n = len(mv)
+    def _region(self, src: memoryview | torch.Tensor, n: int) -> tuple[int, int]:
+        """Place ``src`` (``n`` bytes: a memoryview, or a contiguous CPU
+        tensor, copied by address into a ring) in the small or the large
+        area; returns (area, offset)."""
         if n >= self.large_leaf_bytes:
             off = self.large_total
-            self.large.append((off, mv))
+            self.large.append((off, src))
             self.large_total = _align(off + n)
             return 1, off
         off = self.small_total
-        self.small.append((off, mv))
-        self.small_total = _align(off + n, 16)
-        return 0, off
-
-    def _tensor_region(self, t: torch.Tensor, n: int) -> tuple[int, int]:
-        """Like :meth:`_region` for a contiguous CPU tensor of ``n`` bytes:
-        the tensor itself is the region (copied by address into a ring)."""
-        if n >= self.large_leaf_bytes:
-            off = self.large_total
-            self.large.append((off, t))
-            self.large_total = _align(off + n)
-            return 1, off
-        off = self.small_total
-        self.small.append((off, t))
+        self.small.append((off, src))
         self.small_total = _align(off + n, 16)
         return 0, off
 
@@ -141,7 +130,7 @@ class _TreeWalker:
                 t = t.detach()
             if type(t) is not frame._Tensor:
                 t = t.as_subclass(frame._Tensor)  # plain tensor for the region
-            area, off = self._tensor_region(t, nbytes)
+            area, off = self._region(t, nbytes)
         return msgspec.msgpack.Ext(
             EXT_TENSOR,
             self.meta.encode((_DTYPE_NAMES[dtype], t.shape, area, off, nbytes)),
@@ -154,7 +143,7 @@ class _TreeWalker:
         area, off = 0, 0
         if a.nbytes:
             c = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-            area, off = self._region(c.reshape(-1).view(np.uint8).data)
+            area, off = self._region(c.reshape(-1).view(np.uint8).data, a.nbytes)
         return msgspec.msgpack.Ext(
             EXT_NDARRAY,
             self.meta.encode((a.dtype.str, a.shape, area, off, a.nbytes)),
