@@ -443,23 +443,17 @@ def check(bases: list[Base]) -> None:
 
 
 def footprint(series: list[Path]) -> int:
-    """Changed upstream lines: the ``+``/``-`` lines of the hunks (read by
-    the hunk headers' counts, so a changed line may start with ``--``)."""
+    """Changed upstream lines: the lines ``git apply --numstat`` counts as
+    added or deleted, over the series."""
     changed = 0
     for p in series:
-        old_left = new_left = 0
-        for line in p.read_text().splitlines():
-            if old_left or new_left:
-                tag = line[:1]
-                if tag != "+":
-                    old_left -= 1
-                if tag != "-":
-                    new_left -= 1
-                changed += tag in "+-" and line != ""
-            elif line.startswith("@@ "):
-                old, new = line.split()[1:3]
-                old_left = int((old[1:].split(",") + ["1"])[1])
-                new_left = int((new[1:].split(",") + ["1"])[1])
+        proc = subprocess.run(
+            ["git", "apply", "--numstat", str(p)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        for line in proc.stdout.splitlines():
+            added, deleted, _ = line.split("\t", 2)
+            changed += int(added) + int(deleted)
     return changed
 
 
