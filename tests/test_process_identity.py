@@ -8,7 +8,12 @@ import os
 import subprocess
 import sys
 
-from vllm_host_transport.process_identity import ProcessWatch, process_start_ticks
+from vllm_host_transport.process_identity import (
+    ProcessWatch,
+    judge_origin,
+    pid_namespace,
+    process_start_ticks,
+)
 
 
 def test_self_is_alive_and_start_ticks_are_stable():
@@ -47,3 +52,12 @@ def test_missing_pid_is_dead():
     # pid_max is at most 2**22 on Linux: this pid cannot exist.
     with ProcessWatch(2**22 + 1, 1) as watch:
         assert not watch.alive()
+
+
+def test_an_origin_is_judged_only_in_its_own_namespace_and_boot():
+    own = pid_namespace()
+    assert own != 0
+    assert judge_origin(True, own) is True
+    assert judge_origin(True, own + 1) is None  # another container: cannot tell
+    assert judge_origin(True, 0) is None  # unknown namespace: cannot tell
+    assert judge_origin(False, own) is False  # another boot: gone

@@ -90,8 +90,9 @@ class HostTransportConnector:
                 scope.path,
             )
             self.scope_name = scope.scope
-        pid, start = self_identity()
-        self._shared = Shared(self.config, scope, pid, start, dict.fromkeys(_STATS, 0))
+        self._shared = Shared(
+            self.config, scope, self_identity(), dict.fromkeys(_STATS, 0)
+        )
         # What killed producers left here goes before anything else is done.
         self._shared.liveness.check()
         if not ringmod.FENCE_AVAILABLE:

@@ -13,8 +13,15 @@ import re
 import sys
 import threading
 import time
+from typing import NamedTuple
 
-from vllm_host_transport.process_identity import process_start_ticks
+from vllm_host_transport.process_identity import (
+    ProcessWatch,
+    boot_tag,
+    judge_origin,
+    pid_namespace,
+    process_start_ticks,
+)
 from vllm_host_transport.safe_fs import (
     check_private_entry,
     make_fresh_private_dir,
@@ -31,13 +38,19 @@ Q_MAGIC = 0
 Q_STAMP = 8
 Q_PK_TOKEN = 16
 
-# ring-<edge>-<pid>-<start>-<connector instance>
 # Longest a new connector waits while the last connector of its scope removes
 # the directory (a handful of unlinks).
 _JOIN_WAIT_S = 10.0
+# A producer's origin in a name: its PID namespace (inode, hex) and boot
+# (see ProducerId).
+ORIGIN_RE = r"([0-9a-f]{1,16})-([0-9a-f]{16})"
+# ring-<edge>-<pid>-<start>-<connector instance>-<pid namespace>-<boot>
 RING_NAME_RE = re.compile(
-    r"^ring-([0-9a-f]{16})-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})$"
+    r"^ring-([0-9a-f]{16})-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})-"
+    + ORIGIN_RE
+    + "$"
 )
+_NO_BOOT = "0" * 16
 # Every name the transport creates in a scope directory (what the last
 # connector to close removes): the stamp, rings, producers' registrations,
 # per-key segments and their lock files, files being built.
@@ -78,7 +91,65 @@ def hex_name(*parts: str | bytes, size: int = 16) -> str:
     return h.hexdigest()
 
 
-_self_identity: tuple[int, int] | None = None
+class ProducerId(NamedTuple):
+    """Who produced something in a scope: pid and start time (clock ticks
+    since boot) as seen in the producer's own PID namespace, that
+    namespace's inode and a tag of its boot (:func:`.boot_tag`; zeros when
+    unknown). Rings, registrations, segment headers and half-written files
+    carry it, so whoever looks can tell whether the producer can be checked
+    from where it stands (see :meth:`watch`)."""
+
+    pid: int
+    start: int
+    pid_ns: int
+    boot: str
+
+    @property
+    def origin(self) -> str:
+        """``<pid namespace>-<boot>``, the end of the names it creates."""
+        return f"{self.pid_ns:x}-{self.boot}"
+
+    @property
+    def token(self) -> str:
+        """``<pid>-<start>-<origin>``: the producer, in a file name."""
+        return f"{self.pid}-{self.start}-{self.origin}"
+
+    @classmethod
+    def parse(cls, pid: str, start: str, pid_ns: str, boot: str) -> ProducerId:
+        """From the decimal pid and start and the hex origin of a name."""
+        return cls(int(pid), int(start), int(pid_ns, 16), boot)
+
+    def judge(self) -> bool | None:
+        """False: proven gone (another boot); None: this process cannot
+        tell (another or an unknown PID namespace); True: its pid and start
+        time decide."""
+        own = _boot_tag()
+        same_boot = self.boot == own or _NO_BOOT in (self.boot, own)
+        return judge_origin(same_boot, self.pid_ns)
+
+    def watch(self) -> ProcessWatch | None:
+        """A watch on this producer, or None when this process cannot tell
+        whether it runs: such a producer is never treated as dead here (what
+        it left goes by a TTL, or when a process of its namespace looks)."""
+        verdict = self.judge()
+        if verdict is None:
+            return None
+        return ProcessWatch(self.pid, self.start, gone=not verdict)
+
+    def alive(self) -> bool:
+        """One-shot check (no descriptor kept): False only when the producer
+        is proven gone."""
+        verdict = self.judge()
+        if verdict is None:
+            return True
+        return verdict and process_start_ticks(self.pid) == self.start
+
+
+def _boot_tag() -> str:
+    return boot_tag() or _NO_BOOT
+
+
+_self_identity: ProducerId | None = None
 
 # Per-key token source: a random 64-bit base drawn once per process (redrawn
 # after a fork) plus a counter, so no two writes of any two processes (or two
@@ -98,21 +169,16 @@ def next_token() -> int:
         return (_token_state[1] + _token_state[2]) & 0xFFFFFFFFFFFFFFFF
 
 
-def self_identity() -> tuple[int, int]:
-    """(pid, start time) of this process; recomputed after a fork."""
+def self_identity() -> ProducerId:
+    """This process's identity; recomputed after a fork."""
     global _self_identity
     pid = os.getpid()
-    if _self_identity is None or _self_identity[0] != pid:
+    if _self_identity is None or _self_identity.pid != pid:
         start = process_start_ticks(pid)
         if start is None:
             raise HostTransportError("cannot read /proc/self/stat")
-        _self_identity = (pid, start)
+        _self_identity = ProducerId(pid, start, pid_namespace(), _boot_tag())
     return _self_identity
-
-
-def producer_alive(pid: int, start: int) -> bool:
-    """One-shot liveness check (no descriptor kept)."""
-    return process_start_ticks(pid) == start
 
 
 def _open_root(root: str) -> int:

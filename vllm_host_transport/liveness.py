@@ -4,15 +4,21 @@
 removed by whoever looks next.
 
 A sending connector registers itself in its scope with an empty file
-``member-<pid>-<start>-<instance>`` before its first payload (a ring names
-the same identity). A producer that closes withdraws its payloads and its
-registration; a killed one leaves them, and nothing else would ever remove
-them while any other connector keeps the scope open. :class:`Liveness`
+``member-<pid>-<start>-<instance>-<pid namespace>-<boot>`` before its first
+payload (a ring names the same identity). A producer that closes withdraws
+its payloads and its registration; a killed one leaves them, and nothing
+else would ever remove them while any other connector keeps the scope open.
+:class:`Liveness`
 watches the scope's producers (a pidfd each, see
 :mod:`.process_identity`) and, once one of them is gone, removes its rings,
 its per-key segments, its half-written files and then its registration. It
 runs when a connector joins the scope, on every receive that misses, and
 when the owner asks (:meth:`HostTransportConnector.remove_dead`).
+
+Only producers that this process can check are judged: those of its own
+PID namespace and boot (see :meth:`.discovery.ProducerId.judge`). A producer
+of another PID namespace (another container sharing ``/dev/shm``) is never
+swept from here; a producer of another boot is gone.
 """
 
 from __future__ import annotations
@@ -23,27 +29,41 @@ import re
 import threading
 
 from vllm_host_transport import perkey
-from vllm_host_transport.discovery import RING_NAME_RE, HostTransportError, ScopeDir
-from vllm_host_transport.process_identity import ProcessWatch, process_start_ticks
+from vllm_host_transport.discovery import (
+    ORIGIN_RE,
+    RING_NAME_RE,
+    HostTransportError,
+    ProducerId,
+    ScopeDir,
+)
+from vllm_host_transport.process_identity import ProcessWatch
 
-MEMBER_RE = re.compile(r"^member-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})$")
-# A per-key segment being written: ``.tmp-<h>-<pid>`` (perkey.write_segment).
-_SEG_TMP_RE = re.compile(r"^\.tmp-[0-9a-f]{32}-([0-9]{1,10})$")
+MEMBER_RE = re.compile(
+    r"^member-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{16})-" + ORIGIN_RE + "$"
+)
+# A per-key segment being written: ``.tmp-<h>-<producer token>``
+# (perkey.write_segment).
+_SEG_TMP_RE = re.compile(
+    r"^\.tmp-[0-9a-f]{32}-([0-9]{1,10})-([0-9]{1,20})-" + ORIGIN_RE + "$"
+)
 
 
-def member_name(pid: int, start: int, instance: int) -> str:
-    return f"member-{pid}-{start}-{instance:016x}"
+def member_name(producer: ProducerId, instance: int) -> str:
+    return f"member-{producer.pid}-{producer.start}-{instance:016x}-{producer.origin}"
 
 
-def _producer(name: str) -> tuple[int, int] | None:
-    """The (pid, start) a registration or a ring (built or being built)
-    names, else None."""
+def _producer(name: str) -> ProducerId | None:
+    """The producer a registration, a ring (built or being built) or a
+    segment being written names, else None."""
     m = MEMBER_RE.match(name)
     if m is not None:
-        return int(m.group(1)), int(m.group(2))
+        return ProducerId.parse(m.group(1), m.group(2), m.group(4), m.group(5))
     m = RING_NAME_RE.match(name[5:] if name.startswith(".tmp-") else name)
     if m is not None:
-        return int(m.group(2)), int(m.group(3))
+        return ProducerId.parse(m.group(2), m.group(3), m.group(5), m.group(6))
+    m = _SEG_TMP_RE.match(name)
+    if m is not None:
+        return ProducerId.parse(*m.groups())
     return None
 
 
@@ -52,15 +72,15 @@ class Liveness:
     of what the dead ones left. Thread-safe; never waits on another thread
     or process (a busy lock skips, the next look retries)."""
 
-    def __init__(
-        self, scope: ScopeDir, own: tuple[int, int], stats: dict[str, int]
-    ) -> None:
+    def __init__(self, scope: ScopeDir, own: ProducerId, stats: dict[str, int]) -> None:
         self._scope: ScopeDir | None = scope
         self._own = own
         self._stats = stats
         self._lock = threading.Lock()
         self._seen_stamp = -1
-        self._watches: dict[tuple[int, int], ProcessWatch] = {}
+        self._watches: dict[ProducerId, ProcessWatch] = {}
+        # Producers this process cannot check (another PID namespace).
+        self._unknowable: set[ProducerId] = set()
 
     def check(self) -> int:
         """Remove what producers that died since the last look left; returns
@@ -90,14 +110,18 @@ class Liveness:
     def _refresh(self, scope: ScopeDir) -> None:
         found = {p for n in os.listdir(scope.fd) if (p := _producer(n)) is not None}
         found.discard(self._own)
+        self._unknowable &= found
         for p in self._watches.keys() - found:
             self._watches.pop(p).close()
-        for p in found - self._watches.keys():
-            self._watches[p] = ProcessWatch(*p)
+        for p in found - self._watches.keys() - self._unknowable:
+            watch = p.watch()
+            if watch is None:
+                self._unknowable.add(p)
+            else:
+                self._watches[p] = watch
 
-    def _sweep(self, scope: ScopeDir, dead: set[tuple[int, int]]) -> None:
+    def _sweep(self, scope: ScopeDir, dead: set[ProducerId]) -> None:
         fd = scope.fd
-        dead_pids = {pid for pid, _ in dead}
         members = []
         segments = 0
         for name in os.listdir(fd):
@@ -110,19 +134,14 @@ class Liveness:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=fd)
-            elif name.endswith(".seg"):
+            elif (
                 # The lock is only tried: a receiver holding it discards the
                 # segment itself (its producer is dead).
-                if (
-                    perkey.segment_producer(fd, name) in dead
-                    and perkey.remove_segment(fd, name[:-4], 0.0) is True
-                ):
-                    segments += 1
-            elif (m := _SEG_TMP_RE.match(name)) is not None:
-                pid = int(m.group(1))
-                if pid in dead_pids and process_start_ticks(pid) is None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=fd)
+                name.endswith(".seg")
+                and perkey.segment_producer(fd, name) in dead
+                and perkey.remove_segment(fd, name[:-4], 0.0) is True
+            ):
+                segments += 1
         for name in members:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=fd)
@@ -147,6 +166,7 @@ class Liveness:
 
     def _drop(self) -> None:
         self._scope = None
+        self._unknowable = set()
         watches, self._watches = self._watches, {}
         for w in watches.values():
             w.close()

@@ -5,7 +5,8 @@
 Each payload is one file ``<h>.seg`` in the scope directory plus a lock file
 ``<h>.lock``, where ``<h>`` is a hash of (edge, key). A segment file is::
 
-    [segment header 64 B: magic | producer pid | producer start | key hash]
+    [segment header 64 B: magic | producer pid | producer start | key hash
+                          | producer pid namespace | producer boot tag]
     [tensor frame, see .frame]
 
 The writer takes the lock exclusively, writes a temporary file and renames it
@@ -26,7 +27,7 @@ import struct
 import time
 from typing import Any
 
-from vllm_host_transport.discovery import producer_alive
+from vllm_host_transport.discovery import ProducerId
 from vllm_host_transport.frame import (
     CorruptFrame,
     EncodedFrame,
@@ -35,7 +36,7 @@ from vllm_host_transport.frame import (
 )
 
 SEG_MAGIC = b"VHTSEG01"
-SEG_HEADER = struct.Struct("<8sQQ16s")
+SEG_HEADER = struct.Struct("<8sQQ16sQ8s")
 SEG_HEADER_SIZE = 64
 
 MISSING = object()  # nothing there (or gone)
@@ -80,8 +81,7 @@ def write_segment(
     name: str,
     key_hash: bytes,
     frame: EncodedFrame | RawFrame,
-    pid: int,
-    start: int,
+    producer: ProducerId,
     lock_wait_s: float = 1.0,
 ) -> bool:
     """Publish ``frame`` as segment ``name``; False if the lock stayed busy."""
@@ -89,13 +89,20 @@ def write_segment(
     lfd = _lock_path(dir_fd, lock_name, lock_wait_s)
     if lfd is None:
         return False
-    tmp = f".tmp-{name}-{pid}"
+    tmp = f".tmp-{name}-{producer.token}"
     try:
         fd = os.open(
             tmp, _flags(os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 0o600, dir_fd=dir_fd
         )
         try:
-            hdr = SEG_HEADER.pack(SEG_MAGIC, pid, start, key_hash)
+            hdr = SEG_HEADER.pack(
+                SEG_MAGIC,
+                producer.pid,
+                producer.start,
+                key_hash,
+                producer.pid_ns,
+                bytes.fromhex(producer.boot),
+            )
             os.write(fd, hdr + bytes(SEG_HEADER_SIZE - len(hdr)))
             write_frame_to_fd(fd, frame)
         finally:
@@ -180,10 +187,12 @@ def claim_segment(
 def _decode_segment(
     mv: memoryview, key_hash: bytes, codec: Any, borrow: bool = False
 ) -> Any:
-    magic, pid, start, kh = SEG_HEADER.unpack_from(mv)
+    magic, pid, start, kh, pid_ns, boot = SEG_HEADER.unpack_from(mv)
     if magic != SEG_MAGIC or kh != key_hash:
         return CORRUPT
-    if not producer_alive(pid, start):
+    # Only a producer proven gone is DEAD: one of another PID namespace (a
+    # container sharing /dev/shm) cannot be checked from here and is alive.
+    if not ProducerId(pid, start, pid_ns, boot.hex()).alive():
         return DEAD
     sub = mv[SEG_HEADER_SIZE:]
     try:
@@ -195,9 +204,9 @@ def _decode_segment(
             sub.release()
 
 
-def segment_producer(dir_fd: int, seg_file: str) -> tuple[int, int] | None:
-    """(pid, start) of the producer of segment file ``seg_file`` (from its
-    header), or None when it cannot be read."""
+def segment_producer(dir_fd: int, seg_file: str) -> ProducerId | None:
+    """The producer of segment file ``seg_file`` (from its header), or None
+    when it cannot be read."""
     try:
         fd = os.open(seg_file, _flags(os.O_RDONLY), dir_fd=dir_fd)
     except OSError:
@@ -208,8 +217,10 @@ def segment_producer(dir_fd: int, seg_file: str) -> tuple[int, int] | None:
         os.close(fd)
     if len(hdr) < SEG_HEADER.size:
         return None
-    magic, pid, start, _ = SEG_HEADER.unpack(hdr)
-    return (pid, start) if magic == SEG_MAGIC else None
+    magic, pid, start, _, pid_ns, boot = SEG_HEADER.unpack(hdr)
+    if magic != SEG_MAGIC:
+        return None
+    return ProducerId(pid, start, pid_ns, boot.hex())
 
 
 def remove_segment(dir_fd: int, name: str, lock_wait_s: float = 0.05) -> Any:

@@ -41,6 +41,7 @@ from vllm_host_transport.discovery import (
     Q_STAMP,
     RING_NAME_RE,
     HostTransportError,
+    ProducerId,
     ScopeDir,
 )
 from vllm_host_transport.process_identity import ProcessWatch
@@ -59,7 +60,9 @@ _MAX_MISSED = 4096
 @dataclass
 class _RecvRing:
     view: RingView
-    liveness: ProcessWatch
+    # None: a producer this process cannot check (another PID namespace),
+    # never taken for dead.
+    liveness: ProcessWatch | None
 
 
 @dataclass
@@ -223,7 +226,7 @@ class Receiver:
 
     def _claim(self, edge: _RecvEdge, r: _RecvRing, pos: int, kh: bytes) -> Any:
         view = r.view
-        if not r.liveness.alive():
+        if r.liveness is not None and not r.liveness.alive():
             self._stats["dead_producer_frames"] += 1
             self._drop_ring(edge, r, prune=True)
             return None
@@ -260,17 +263,21 @@ class Receiver:
             m = RING_NAME_RE.match(name)
             if m is None:
                 continue
-            pid, start, inst = int(m.group(2)), int(m.group(3)), int(m.group(4), 16)
-            liveness = ProcessWatch(pid, start)
-            if not liveness.alive():
+            producer = ProducerId.parse(m.group(2), m.group(3), m.group(5), m.group(6))
+            inst = int(m.group(4), 16)
+            liveness = producer.watch()
+            if liveness is not None and not liveness.alive():
                 liveness.close()
                 self._stats["dead_producers_pruned"] += 1
                 self._prune(scope, name)
                 continue
             try:
-                view = RingView(scope.fd, name, edge.edge_hex, pid, start, inst)
+                view = RingView(
+                    scope.fd, name, edge.edge_hex, producer.pid, producer.start, inst
+                )
             except (OSError, ValueError):
-                liveness.close()
+                if liveness is not None:
+                    liveness.close()
                 continue
             edge.rings.append(_RecvRing(view, liveness))
             self._stats["rings_attached"] += 1
@@ -281,7 +288,8 @@ class Receiver:
             edge.rings.remove(r)
         name = r.view.name
         r.view.close()
-        r.liveness.close()
+        if r.liveness is not None:
+            r.liveness.close()
         self._stats["rings_released"] += 1
         if prune and self._shared.scope is not None:
             self._prune(self._shared.scope, name)
@@ -308,7 +316,8 @@ class Receiver:
         for redge in self._edges.values():
             for r in redge.rings:
                 r.view.close()
-                r.liveness.close()
+                if r.liveness is not None:
+                    r.liveness.close()
             redge.rings.clear()
         self._edges = {}
 

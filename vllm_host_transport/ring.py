@@ -5,8 +5,8 @@
 The layout and protocol, the memory fence, and the producer's side
 (:class:`ProducerRing`); a receiver's side is :mod:`.ring_view`.
 
-Layout of the ring file (``ring-<edge>-<pid>-<start>-<instance>`` in the scope
-dir)::
+Layout of the ring file (``ring-<edge>-<pid>-<start>-<instance>-<origin>`` in
+the scope dir, the origin being the producer's PID namespace and boot)::
 
     [header 4096 B][data: capacity bytes]
 
@@ -175,10 +175,11 @@ class ProducerRing:
         pid: int,
         start: int,
         instance: int,
+        origin: str,
     ) -> None:
         self.dir_fd = dir_fd
         self.capacity = capacity
-        self.name = f"ring-{edge_hex}-{pid}-{start}-{instance:016x}"
+        self.name = f"ring-{edge_hex}-{pid}-{start}-{instance:016x}-{origin}"
         self.fd = -1
         self._mm: mmap.mmap | None = None
         self._mv: memoryview | None = None

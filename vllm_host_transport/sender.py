@@ -211,7 +211,7 @@ class Sender:
         return True, size, desc
 
     def _register(self, scope: ScopeDir) -> None:
-        name = member_name(self._shared.pid, self._shared.start, self._instance)
+        name = member_name(self._shared.ident, self._instance)
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         os.close(os.open(name, flags, 0o600, dir_fd=scope.fd))
         self._member = name
@@ -227,9 +227,7 @@ class Sender:
         kh: bytes,
         frame: EncodedFrame | RawFrame,
     ) -> None:
-        ok = perkey.write_segment(
-            scope.fd, seg_name, kh, frame, self._shared.pid, self._shared.start
-        )
+        ok = perkey.write_segment(scope.fd, seg_name, kh, frame, self._shared.ident)
         if not ok:
             raise HostTransportError("segment lock stayed busy")
         scope.bump_pk_token()
@@ -329,9 +327,10 @@ class Sender:
                 scope.fd,
                 edge.edge_hex,
                 self._config.host_ring_bytes,
-                self._shared.pid,
-                self._shared.start,
+                self._shared.ident.pid,
+                self._shared.ident.start,
                 self._instance,
+                self._shared.ident.origin,
             )
         except OSError as e:
             self._ring_setup_failed(edge, f"ring setup failed: {e}")

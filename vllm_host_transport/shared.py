@@ -14,6 +14,7 @@ from typing import Any
 from vllm_host_transport.config import HostTransportConfig
 from vllm_host_transport.discovery import (
     HostTransportError,
+    ProducerId,
     ScopeDir,
     hex_name,
 )
@@ -59,16 +60,15 @@ class Shared:
         self,
         config: HostTransportConfig,
         scope: ScopeDir,
-        pid: int,
-        start: int,
+        ident: ProducerId,
         stats: dict[str, int],
     ) -> None:
         self.config = config
         self.scope: ScopeDir | None = scope
         self.owner_pid = os.getpid()  # owns the rings and the membership
-        self.pid, self.start = pid, start  # this process's identity
+        self.ident = ident  # this process's identity
         self.stats = stats
-        self.liveness = Liveness(scope, (pid, start), stats)
+        self.liveness = Liveness(scope, ident, stats)
         self.closed = False
 
     def check_open(self) -> ScopeDir:

@@ -27,7 +27,13 @@ from dataclasses import dataclass
 
 from vllm.distributed.artifact_connector.store import UnsafeStoreError
 from vllm.logger import init_logger
-from vllm_host_transport.process_identity import ProcessWatch, process_start_ticks
+from vllm_host_transport.process_identity import (
+    ProcessWatch,
+    boot_id,
+    judge_origin,
+    pid_namespace,
+    process_start_ticks,
+)
 from vllm_host_transport.safe_fs import open_private_dir, open_private_file, shm_subdir
 
 logger = init_logger(__name__)
@@ -36,21 +42,6 @@ WRITER_FILE = "writer.json"
 INDEX_FILE = "index.log"
 NAMESPACE_RE = re.compile(r"[0-9a-f]{32}\Z")
 _OUR_FILE_RE = re.compile(r"[0-9a-f]{16}\.(arena|tmp)\Z")
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +56,7 @@ class WriterIdentity:
     @classmethod
     def current(cls) -> WriterIdentity:
         pid = os.getpid()
-        return cls(pid, process_start_ticks(pid) or 0, _boot_id(), _pid_namespace())
+        return cls(pid, process_start_ticks(pid) or 0, boot_id(), pid_namespace())
 
     def to_json(self) -> bytes:
         return json.dumps({"format": 2, **self.__dict__}).encode()
@@ -81,11 +72,12 @@ class WriterIdentity:
 
     def is_alive(self) -> bool | None:
         """True if the writer runs, False if it is proven gone, None if this
-        process cannot tell (another pid namespace)."""
-        if self.boot_id and self.boot_id != _boot_id():
-            return False
-        if self.pid_ns and self.pid_ns != _pid_namespace():
-            return None
+        process cannot tell (another or an unknown pid namespace)."""
+        own_boot = boot_id()
+        same_boot = not (self.boot_id and own_boot) or self.boot_id == own_boot
+        verdict = judge_origin(same_boot, self.pid_ns)
+        if verdict is not True:
+            return verdict
         with ProcessWatch(self.pid, self.start_ticks) as watch:
             return watch.alive()
 

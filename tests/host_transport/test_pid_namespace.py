@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Producers and consumers of one scope in different PID namespaces (two
+containers sharing ``/dev/shm``): a consumer that cannot see a producer's
+process never takes it for dead. Real processes; the other namespace is
+made with ``unshare --pid --fork --mount-proc`` (root only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PEER = "tests.host_transport.pidns_peer"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def _skip_unless_pid_namespaces() -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a new PID namespace needs root and unshare(1)")
+    r = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if r.returncode:
+        pytest.skip(f"unshare --pid refused here: {r.stderr.strip()[:300]}")
+
+
+def _fetch(refs: list[dict], other_namespace: bool) -> list[dict]:
+    argv = [sys.executable, "-m", PEER, "fetch", json.dumps(refs)]
+    if other_namespace:
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
+    r = subprocess.run(
+        argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_consumer_in_another_pid_namespace_leaves_live_producers_alone(
+    scope: str,
+) -> None:
+    _skip_unless_pid_namespaces()
+    producer = subprocess.Popen(
+        [sys.executable, "-m", PEER, "produce", scope],
+        cwd=ROOT,
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert producer.stdout is not None and producer.stdin is not None
+        made = json.loads(producer.stdout.readline())
+        refs = made["refs"]
+        names = sorted(os.listdir(made["dir"]))
+        assert sum(n.endswith(".seg") for n in names) == 2, names
+        assert any(n.startswith("ring-") for n in names), names
+
+        # A trainer in another container: it cannot see the producer's pid.
+        foreign = _fetch(refs[:1], other_namespace=True)
+        assert foreign == [{"key": refs[0]["key"], "ok": True, "error": ""}]
+
+        # The producer's other payloads and registration are all still there,
+        # and a consumer of the producer's own namespace fetches every one.
+        left = sorted(os.listdir(made["dir"]))
+        assert sum(n.endswith(".seg") for n in left) == 2, left
+        assert any(n.startswith("member-") for n in left), left
+        assert any(n.startswith("ring-") for n in left), left
+        local = _fetch(refs[1:2], other_namespace=False)
+        assert local == [{"key": refs[1]["key"], "ok": True, "error": ""}]
+        # A per-key segment taken from the other namespace as well (its
+        # producer cannot be checked there: it is taken, not discarded).
+        foreign = _fetch(refs[2:], other_namespace=True)
+        assert foreign == [{"key": refs[2]["key"], "ok": True, "error": ""}]
+        assert producer.poll() is None
+    finally:
+        if producer.stdin is not None:
+            producer.stdin.write("\n")
+            producer.stdin.close()
+        assert producer.wait(timeout=60) == 0
+
+
+def test_a_join_sweeps_dead_producers_of_its_namespace_only(make_conn) -> None:  # noqa: ANN001
+    """What a producer left is swept only when the looker can check it: a
+    dead pid of this namespace goes, the same pid recorded in another
+    namespace stays (it may run there), another boot's goes."""
+    from vllm_host_transport.discovery import self_identity
+    from vllm_host_transport.liveness import member_name
+
+    first = make_conn()
+    me = self_identity()
+    gone_pid = 2**22 + 7  # above pid_max: no process has it
+    here = me._replace(pid=gone_pid)
+    there = here._replace(pid_ns=me.pid_ns + 1)
+    old_boot = here._replace(boot="f" * 16 if me.boot != "f" * 16 else "e" * 16)
+    names = [member_name(p, 1) for p in (here, there, old_boot)]
+    for name in names:
+        os.close(
+            os.open(
+                name, os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=first._shared.scope.fd
+            )
+        )
+    first._shared.scope.advance_stamp()
+    make_conn()  # a join looks
+    left = set(os.listdir(first.scope_dir))
+    assert names[0] not in left
+    assert names[1] in left
+    assert names[2] not in left
