@@ -16,6 +16,7 @@ why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -97,6 +98,17 @@ def _environment_restored():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _default_shm_root(monkeypatch):
+    """Building a config creates its store root (r5 M4): the default one of
+    these tests carries this session's pid and goes after each test."""
+    default = _shm_name("default-root")
+    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    yield
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(default)
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +300,8 @@ def test_hash_ignores_capacity_shm_root_ttl_and_instance_id(tiny_moe):
     assert other.compute_hash() == ref.compute_hash()
     other.artifact_config.instance_id = "0" * 32
     assert other.compute_hash() == ref.compute_hash()
-    assert not os.path.lexists(_shm_name("hash"))  # building creates no store
+    assert os.listdir(_shm_name("hash")) == []  # building creates no store
+    os.rmdir(_shm_name("hash"))
 
 
 def test_compile_factors_are_the_switch_only():
@@ -497,11 +510,14 @@ def test_rejects_shm_root_through_symlink(tiny_moe, target):
         shutil.rmtree(dest, ignore_errors=True)
 
 
-def test_accepts_shm_root_under_dev_shm_without_creating_it(tiny_moe):
+def test_accepts_shm_root_under_dev_shm_creating_only_the_root(tiny_moe):
     root = _shm_name("ok")
-    cfg = _build_r3(tiny_moe, artifact_config={"shm_root": root})
-    assert cfg.artifact_config.shm_root == root
-    assert not os.path.lexists(root)
+    try:
+        cfg = _build_r3(tiny_moe, artifact_config={"shm_root": root})
+        assert cfg.artifact_config.shm_root == root
+        assert os.listdir(root) == []  # the root (r5 M4), no store in it
+    finally:
+        _remove(root)
 
 
 @pytest.mark.parametrize(
@@ -809,6 +825,46 @@ def test_fresh_roots_of_crashed_engines_are_collected(
     finally:
         dead.close()
         alive.close()
+
+
+def test_default_shm_root_is_taken_when_the_config_resolves_it(
+    tiny_moe, monkeypatch, hijack_paths
+):
+    """r5 M4: the default root is created (ours, 0700) while the config is
+    built, so another local user who tries to create it before the worker
+    starts its store (after model load, often tens of seconds later) finds
+    it taken, and the worker's store starts in it."""
+    from vllm.distributed.artifact_connector.shm import ShmStoreWriter, make_namespace
+
+    default, _ = hijack_paths
+    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    root = _build_r3(tiny_moe).artifact_config.shm_root
+    assert root == default
+    st = os.lstat(root)
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(st.st_mode) == 0o700
+    # Another local user, between the config and the worker (as root here:
+    # the chown stands in for the other user's mkdir).
+    try:
+        os.mkdir(default, 0o777)
+        os.chown(default, 65534, 65534)
+    except FileExistsError:
+        pass
+    writer = ShmStoreWriter(root, make_namespace(), capacity_bytes=MIN_CAPACITY_BYTES)
+    writer.close()
+
+
+def test_explicit_missing_shm_root_is_created_private(tiny_moe, hijack_paths):
+    """A missing explicit root is created 0700 with the config, each missing
+    component of it too."""
+    parent, _ = hijack_paths
+    root = f"{parent}/store"
+    cfg = _build_r3(tiny_moe, artifact_config={"shm_root": root})
+    assert cfg.artifact_config.shm_root == root
+    for path in (parent, root):
+        st = os.lstat(path)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(st.st_mode) == 0o700
 
 
 @pytest.mark.parametrize("how", HIJACKS)

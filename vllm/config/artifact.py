@@ -560,15 +560,19 @@ def _size_from_node(cfg: ArtifactConfig, tensor_parallel_size: int) -> None:
 
 
 def _resolve_shm_root(cfg: ArtifactConfig) -> None:
-    """Check the store root before any process starts. An explicit root that
-    exists must be private (ours, 0700, a real directory): else ``ValueError``
-    naming the fix. The default root, which another local user can create
-    first, is replaced by a fresh private directory next to it (created here,
-    in the process that builds the configuration, so that every engine
-    process gets it with the configuration) rather than stop the engine."""
+    """Take the store root before any process starts: create it (each
+    missing component 0700, no symlink followed) or check it, here in the
+    process that builds the configuration, so that no other local user can
+    create it between now and the worker's store (after model load). An
+    explicit root that cannot be made private (ours, 0700, a real
+    directory) is refused with ``ValueError`` naming the fix. The default
+    root, which another local user can create first, is replaced by a fresh
+    private directory next to it (every engine process gets it with the
+    configuration) rather than stop the engine."""
     from vllm_host_transport.safe_fs import (
         UnsafePathError,
         check_private_shm_dir,
+        ensure_private_shm_dir,
         make_private_shm_dir,
         shm_subdir,
     )
@@ -581,9 +585,12 @@ def _resolve_shm_root(cfg: ArtifactConfig) -> None:
         if root != default:
             raise ValueError(f"artifact shm_root: {e}") from None
     try:
+        # The check first names what is wrong with an existing component
+        # (without opening it); the creation checks each component again.
         check_private_shm_dir(root)
+        ensure_private_shm_dir(root)
         return
-    except UnsafePathError as e:
+    except (UnsafePathError, OSError) as e:
         if root != default:
             raise ValueError(
                 f"artifact shm_root: {e}; make it a directory of this user with "
