@@ -1077,6 +1077,29 @@ def test_rejects_an_unsafe_or_short_secret_file(tiny_moe, tmp_path, case, fix):
         _build_r3(tiny_moe, artifact_config=_shared(shared_secret_file=str(path)))
 
 
+@pytest.mark.parametrize(
+    "content, secret",
+    [
+        (b"\n\t " + bytes(range(200, 213)), b"\n\t " + bytes(range(200, 213))),
+        (bytes(range(200, 214)) + b"\t ", bytes(range(200, 214)) + b"\t "),
+        (bytes(range(200, 215)) + b" \n", bytes(range(200, 215)) + b" "),
+        (b"\r\n" + bytes(range(200, 214)), b"\r\n" + bytes(range(200, 214))),
+        (b"0123456789abcdef\r\n", b"0123456789abcdef"),
+        (b"0123456789abcdef\n\n", b"0123456789abcdef\n"),
+        (b"\x0b" * 16, b"\x0b" * 16),
+    ],
+    ids=["leading", "trailing", "space-newline", "lead-crlf", "crlf", "2lf", "vt"],
+)
+def test_a_binary_secret_is_used_byte_for_byte(tmp_path, monkeypatch, content, secret):
+    """r5 L6: the secret is bytes (``head -c 32 /dev/urandom`` or hex/base64
+    text alike): only one trailing newline (``\\n`` or ``\\r\\n``) is
+    not part of it; whitespace bytes anywhere else are kept."""
+    monkeypatch.delenv(SHARED_SECRET_ENV, raising=False)
+    path = _secret_file(tmp_path, content)
+    cfg = ArtifactConfig(shared_secret_file=str(path))
+    assert read_shared_secret(cfg) == secret
+
+
 def test_rejects_an_unknown_routed_experts_format(tiny_moe):
     with pytest.raises(ValueError, match="routed_experts_format"):
         _build_r3(tiny_moe, artifact_config={"routed_experts_format": "npy"})

@@ -171,11 +171,13 @@ class ArtifactConfig:
     shared_secret_file: str | None = None
     """``backend: mooncake``: a file holding the deployment secret (16 bytes
     or more; a regular file of this user, mode 0600, not a symlink), the
-    same on every engine of ``key_space``. Every shared object carries a
-    keyed BLAKE2b MAC of its key, header and bytes under it; an object that
-    fails it is treated as missing (recomputed). Without this field the
-    secret itself is read from ``$VLLM_ROUTED_EXPERTS_SECRET``; with
-    neither, the engine refuses ``backend: mooncake``."""
+    same on every engine of ``key_space``; its bytes, less one trailing
+    newline, are the secret (random bytes, or hex or base64 text). Every
+    shared object carries a keyed BLAKE2b MAC of its key, header and bytes
+    under it; an object that fails it is treated as missing (recomputed).
+    Without this field the secret itself is read from
+    ``$VLLM_ROUTED_EXPERTS_SECRET``; with neither, the engine refuses
+    ``backend: mooncake``."""
 
     shared_pull_timeout_s: float = Field(
         default=DEFAULT_SHARED_PULL_TIMEOUT_S, gt=0, le=10.0

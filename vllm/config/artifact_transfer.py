@@ -131,9 +131,12 @@ def shared_secret(cfg: "ArtifactConfig") -> bytes:
     """The deployment secret that authenticates the key space's shared
     objects: the bytes of ``shared_secret_file`` (read without following a
     symlink; it must be a regular file of this user that no one else may
-    read), else those of ``$VLLM_ROUTED_EXPERTS_SECRET``; surrounding
-    whitespace (a trailing newline) is not part of it. Raises
-    :class:`SharedSecretError` with the fix."""
+    read), else those of ``$VLLM_ROUTED_EXPERTS_SECRET``. The secret is
+    bytes, used as they are: random bytes (``head -c 32 /dev/urandom``) and
+    hex or base64 text alike. Only one trailing newline (``\\n`` or
+    ``\\r\\n``, as an editor or ``echo`` leaves it) is not part of it; every
+    other byte is, whitespace included (random secrets hold such bytes).
+    Raises :class:`SharedSecretError` with the fix."""
     if cfg.shared_secret_file:
         path = cfg.shared_secret_file
         try:
@@ -169,13 +172,20 @@ def shared_secret(cfg: "ArtifactConfig") -> bytes:
                 "authenticate shared routes (anyone who reaches the master "
                 "could otherwise plant them)"
             )
-    secret = raw.strip()
+    secret = _without_trailing_newline(raw)
     if not MIN_SHARED_SECRET_BYTES <= len(secret) <= _MAX_SHARED_SECRET_BYTES:
         raise SharedSecretError(
             f"the secret in {where} must hold {MIN_SHARED_SECRET_BYTES} to "
             f"{_MAX_SHARED_SECRET_BYTES} bytes, got {len(secret)}"
         )
     return secret
+
+
+def _without_trailing_newline(raw: bytes) -> bytes:
+    for end in (b"\r\n", b"\n"):
+        if raw.endswith(end):
+            return raw[: -len(end)]
+    return raw
 
 
 def check_key_space(
