@@ -698,6 +698,22 @@ def test_sizes_derived_from_the_node_for_the_engines_that_share_it(
     assert big.artifact_config.capacity_bytes == min(8 << 30, total // 2 * 2 // 3)
 
 
+def test_an_explicit_capacity_is_kept_however_small_the_share(tiny_moe, monkeypatch):
+    """r5 L8: with capacity_bytes set, a share of /dev/shm below the smallest
+    store refuses nothing (the user chose the capacity); ref_max_bytes, left
+    unset, is still derived from the share (1 MiB at least)."""
+    from utils.shm import small_tmpfs
+
+    monkeypatch.delenv("VLLM_ENGINES_PER_NODE", raising=False)
+    with small_tmpfs("24m") as mnt:
+        crowded = {"shm_root": os.path.join(mnt, "store"), "engines_per_node": 100}
+        explicit = {**crowded, "capacity_bytes": 2 << 20}
+        cfg = _build_r3(tiny_moe, artifact_config=explicit).artifact_config
+        assert (cfg.capacity_bytes, cfg.ref_max_bytes) == (2 << 20, 1 << 20)
+        with _rejects(f'{{"capacity_bytes": {MIN_CAPACITY_BYTES}}}'):
+            _build_r3(tiny_moe, artifact_config=crowded)  # derived: refused
+
+
 @pytest.mark.parametrize("ttl", [0.0, MIN_INACTIVE_TTL_S - 1])
 def test_rejects_inactive_ttl_below_the_minimum(tiny_moe, ttl):
     with _rejects(f'{{"inactive_ttl_s": {MIN_INACTIVE_TTL_S:g}}}'):

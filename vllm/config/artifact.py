@@ -538,7 +538,9 @@ def _size_from_node(cfg: ArtifactConfig, tensor_parallel_size: int) -> None:
         return
     try:
         engines, source = engines_per_node(cfg.engines_per_node, tensor_parallel_size)
-        sizes = node_sizes(cfg.shm_root, engines, source)
+        sizes = node_sizes(
+            cfg.shm_root, engines, source, capacity_given=cfg.capacity_bytes is not None
+        )
     except (ValueError, OSError) as e:
         raise ValueError(f"--enable-routed-experts: {e}") from None
     if cfg.capacity_bytes is None:

@@ -114,14 +114,17 @@ def shm_size(root: str) -> int:
             path = parent
 
 
-def node_sizes(root: str, engines: int, engines_from: str) -> NodeSizes:
+def node_sizes(
+    root: str, engines: int, engines_from: str, *, capacity_given: bool = False
+) -> NodeSizes:
     """The default sizes for ``engines`` engines sharing the file system of
     ``root``. Raises ``ValueError`` (naming the fixes) when each engine's
-    share is below the smallest store."""
+    share is below the smallest store, unless the user gave the capacity
+    (``capacity_given``: the derived one is then not used)."""
     total = shm_size(root)
     share = int(SHM_SHARE * total) // engines
     capacity = min(DEFAULT_CAPACITY_BYTES, share * 2 // 3)
-    if capacity < MIN_CAPACITY_BYTES:
+    if capacity < MIN_CAPACITY_BYTES and not capacity_given:
         raise ValueError(
             f"the routed-experts store of each of {engines} engines sharing "
             f"{root}'s file system ({total / (1 << 20):.1f} MiB; engine count "
