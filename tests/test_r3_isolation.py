@@ -7,7 +7,14 @@ while 32 concurrent requests run, half of them asking for a reference.
 Every inline request is answered, exact against transformers' router,
 while the master is still frozen; every reference request either carries a
 reference that fetches exactly or fails with ``RouteRefPublishError``, also
-before the master resumes; and references flow again after it resumes."""
+before the master resumes; and references flow again after it resumes.
+
+And an engine started while the master is frozen (r5 M1): it becomes
+healthy while the master is still frozen (its join is probed in a child
+process, at most 5 s, instead of Mooncake's ``setup`` holding the engine
+core's interpreter lock until the master resumes), inline requests are
+exact, and references fail with ``RouteRefPublishError`` saying the master
+did not answer."""
 
 from __future__ import annotations
 
@@ -148,3 +155,31 @@ def test_a_frozen_master_stalls_no_inline_request(server, master, consumer, tiny
         assert time.monotonic() < deadline, body
         time.sleep(0.5)
     _assert_ref_exact(consumer, tiny_moe, body["choices"][0])
+
+
+def test_an_engine_started_with_a_frozen_master_serves(tiny_moe, tmp_path):
+    from utils.mooncake import running_master
+
+    with running_master("mooncake-master-frozen-start") as frozen:
+        # Resumed by another process only after the whole test's budget.
+        frozen.freeze(resume_after_s=900.0)
+        root = shm_root()
+        flags = serve_flags(
+            root,
+            ref_transport="mooncake",
+            mooncake_master=frozen.address,
+            mooncake_segment_bytes=64 << 20,
+            mooncake_buffer_bytes=32 << 20,
+            ref_handoff_timeout_s=HANDOFF_TIMEOUT_S,
+        )
+        with r3_server(tiny_moe, flags, root, "test-r3-frozen-start.log") as srv:
+            assert frozen.still_frozen()  # healthy before the master answered
+            for i in range(4):
+                status, body = _completion(srv, PROMPTS[i % len(PROMPTS)], "inline")
+                assert status == 200, body
+                assert_completion_exact(tiny_moe, body)
+            status, body = _completion(srv, PROMPTS[0], "ref")
+            assert status != 200 and "RouteRefPublishError" in str(body), body
+            assert "did not answer" in str(body), body
+            assert frozen.still_frozen()
+            frozen.thaw()

@@ -228,7 +228,7 @@ def fetch(
         # Imported here: mooncake_refs imports this module's types.
         from vllm_host_transport.mooncake_refs import take_from_mooncake
 
-        raw = take_from_mooncake(ref)
+        raw = take_from_mooncake(ref, timeout_s)
     else:
         raw = _take_from_host(ref, timeout_s)
     if checksum_hex(raw) != ref.checksum:

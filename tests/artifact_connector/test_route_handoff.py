@@ -164,3 +164,69 @@ def test_expiry_runs_on_its_schedule_under_steady_hand_offs(monkeypatch):
         assert made[0].counters()["waiting_bytes"] == 0
     finally:
         h.close()
+
+
+def test_a_frozen_master_at_start_freezes_no_step_loop():
+    """``ref_transport: mooncake`` with a real master frozen before the
+    engine starts (r5 M1): the hand-off thread's join fails while the master
+    is still frozen (probed in a child process; Mooncake's ``setup`` would
+    hold the interpreter lock until it resumes, 30 s later), the step loop
+    (this thread) keeps running, and references fail saying why."""
+    pytest.importorskip("mooncake.store", reason="installed by `make setup`")
+    from utils.mooncake import Ticker, running_master
+
+    with running_master("mooncake-master-handoff-frozen") as master:
+        cfg = ArtifactConfig(
+            ref_transport="mooncake",
+            mooncake_master=master.address,
+            mooncake_segment_bytes=16 << 20,
+            mooncake_buffer_bytes=16 << 20,
+        )
+        ticker = Ticker()
+        results = RouteResults()
+        master.freeze(resume_after_s=30.0)
+        start = time.monotonic()
+        h = RouteHandoff(results, lambda: RouteRefs(cfg), 5.0, open_now=True)
+        try:
+            while h._refs_error is None and master.still_frozen():
+                time.sleep(0.01)
+            end = time.monotonic()
+            assert master.still_frozen() and h._refs_error is not None
+            assert "did not answer" in h._refs_error
+            third = (end - start) / 3
+            assert ticker.ticked_between(start + third, end - third)
+            h.submit([_job("r", 5.0)])
+            (res,) = _wait(results, 1)
+            assert res.ref is None and "did not answer" in res.error
+        finally:
+            master.thaw()
+            h.close()
+            ticker.stop()
+
+
+def test_an_unexpected_fault_opening_the_transport_fails_its_jobs():
+    """A transport whose opening raises something unexpected (a Mooncake
+    binding's ``RuntimeError``; r5 L3): every queued reference fails with
+    ``RouteRefPublishError`` naming it, nothing stays queued or pending, and
+    the transport is opened once, not once per reference."""
+    opened = []
+
+    def make_refs():
+        opened.append(1)
+        raise RuntimeError("Mooncake client binding: unexpected failure")
+
+    results = RouteResults()
+    h = RouteHandoff(results, make_refs, 5.0, open_now=True)
+    try:
+        for i in range(3):
+            h.submit([_job(f"r{i}", 5.0)])
+        got = _wait(results, 3, timeout=10.0)
+        assert len(got) == 3, got
+        for res in got:
+            assert res.ref is None
+            assert "RouteRefPublishError" in res.error
+            assert "unexpected failure" in res.error
+        assert results.pending == 0 and not h._queued
+        assert len(opened) == 1
+    finally:
+        h.close()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +51,33 @@ class Master:
             assert time.monotonic() < deadline, "mooncake_master did not listen"
             time.sleep(0.05)
 
+    def freeze(self, resume_after_s: float) -> None:
+        """``SIGSTOP`` the master; another process sends ``SIGCONT`` after
+        ``resume_after_s`` (so a call that waits for the master ends even
+        when the code under test does not bound it), or :meth:`thaw`."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self._resumer = subprocess.Popen(
+            ["sh", "-c", f"sleep {resume_after_s}; kill -CONT {self.proc.pid}"]
+        )
+
+    def still_frozen(self) -> bool:
+        """The master has not been resumed since :meth:`freeze`."""
+        resumer = getattr(self, "_resumer", None)
+        return resumer is not None and resumer.poll() is None
+
+    def thaw(self) -> None:
+        resumer = getattr(self, "_resumer", None)
+        if resumer is not None:
+            if resumer.poll() is None:
+                resumer.kill()
+            resumer.wait()
+            self._resumer = None
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        self.thaw()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=30)
@@ -70,3 +98,27 @@ def running_master(name: str):
     finally:
         m.stop()
         os.environ.pop("MC_FORCE_TCP", None)
+
+
+class Ticker:
+    """A thread that stands in for the rest of a process (a step loop, a
+    trainer's data loaders): it ticks every millisecond while it can run.
+    A Mooncake call that holds the interpreter lock leaves a hole in its
+    ticks."""
+
+    def __init__(self) -> None:
+        self.ticks: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.ticks.append(time.monotonic())
+
+    def ticked_between(self, start: float, end: float) -> bool:
+        return any(start <= t <= end for t in self.ticks)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

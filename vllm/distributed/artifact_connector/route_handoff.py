@@ -22,6 +22,8 @@ whatever the thread is doing; this thread only makes that cheap:
   slow.
 
 Any exception of the sink fails that one reference; the thread lives on.
+Any exception while opening the transport fails every reference (with
+``RouteRefPublishError`` naming it); the thread lives on too.
 Expiry of unfetched payloads (``ref_ttl_s``) runs every
 :data:`EXPIRY_INTERVAL_S` under load as when idle.
 
@@ -29,8 +31,10 @@ The transport is opened once, on this thread: at start with ``open_now``
 (a Mooncake Store), else with the first reference. A transport that cannot
 be opened fails every reference, and is not tried again while the engine
 serves: Mooncake's client ``setup`` holds the interpreter lock until it
-returns (about 90 s against a master that is down), which would stall the
-whole engine core.
+returns, which would stall the whole engine core; it runs only after the
+master answered a probe in a child process (``mooncake/client.py``), so a
+master that is down or frozen at start costs this thread at most the
+probe's 5 s and the engine core nothing.
 """
 
 from __future__ import annotations
@@ -159,12 +163,12 @@ class RouteHandoff:
     # ------------------------------------------------------------ thread
     def _run(self) -> None:
         next_expiry = time.monotonic() + EXPIRY_INTERVAL_S
-        if self._open_now:
-            try:
-                self._route_refs()
-            except RouteRefPublishError as e:
-                logger.error("routed-experts references are unavailable: %s", e)
         try:
+            if self._open_now:
+                try:
+                    self._route_refs()
+                except RouteRefPublishError as e:
+                    logger.error("routed-experts references are unavailable: %s", e)
             while True:
                 with self._cv:
                     if not (self._queued or self._to_retire or self._stop):
@@ -237,9 +241,12 @@ class RouteHandoff:
                 raise RouteRefPublishError(self._refs_error)
             try:
                 self._refs = self._make_refs()
-            except RouteRefPublishError as e:
+            except Exception as e:  # whatever it is, every reference fails
+                if not isinstance(e, RouteRefPublishError):
+                    logger.exception("opening the reference transport failed")
+                why = e if isinstance(e, RouteRefPublishError) else repr(e)
                 self._refs_error = (
-                    f"{e} (the reference transport is opened once: restart "
+                    f"{why} (the reference transport is opened once: restart "
                     "the engine once it can be reached)"
                 )
                 raise RouteRefPublishError(self._refs_error) from e

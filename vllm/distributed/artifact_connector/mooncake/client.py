@@ -3,7 +3,16 @@
 """One Mooncake Store client per process and master, shared by whatever in
 the process needs one (the artifact store's shared tier in the worker,
 routes handed out by reference in the engine core; both in one process
-under the ``uni`` executor), and closed when the last user lets go."""
+under the ``uni`` executor), and closed when the last user lets go.
+
+Mooncake's ``setup`` and ``close`` hold the interpreter lock while they run
+(against a frozen master, until it resumes), and this process serves: each
+runs only after the master answered a probe (``mooncake_probe.py``: a child
+process joins it and asks once, killed after
+:data:`~vllm_host_transport.mooncake_probe.PROBE_TIMEOUT_S`). A master that
+does not answer cannot be joined (:class:`MooncakeUnavailableError`), and a
+client of a master that does not answer when it is let go of is left open
+until the process exits."""
 
 from __future__ import annotations
 
@@ -11,6 +20,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.artifact_connector.store import StoreIOError
+from vllm.logger import init_logger
+from vllm_host_transport.mooncake_probe import probe
 
 if TYPE_CHECKING:
     from vllm.config.artifact import ArtifactConfig
@@ -20,9 +31,12 @@ OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
 RPC_FAIL = -900
 
+logger = init_logger(__name__)
+
 _lock = threading.Lock()
 _clients: dict[tuple, tuple[Any, int]] = {}  # ident -> (client, users)
 _idents: dict[int, tuple] = {}  # id(client) -> ident
+_unclosed: list[Any] = []  # let go of while their master did not answer
 
 
 class MooncakeUnavailableError(StoreIOError):
@@ -52,6 +66,15 @@ def acquire(cfg: ArtifactConfig, *, segment_bytes: int | None = None) -> Any:
                 f"Mooncake's client is missing ({e}): pip install "
                 "mooncake-transfer-engine-non-cuda"
             ) from e
+        why = probe(
+            str(cfg.mooncake_master),
+            protocol=cfg.mooncake_protocol,
+            local_hostname=cfg.mooncake_local_hostname,
+        )
+        if why is not None:
+            raise MooncakeUnavailableError(
+                f"cannot join the Mooncake Store of master {cfg.mooncake_master}: {why}"
+            )
         client: Any = MooncakeDistributedStore()
         rc = client.setup(
             cfg.mooncake_local_hostname,
@@ -93,4 +116,14 @@ def release(client: Any) -> None:
             _clients[ident] = (client, held[1] - 1)
             return
         del _clients[ident], _idents[id(client)]
+    why = probe(ident[0], protocol=ident[1], local_hostname=ident[2])
+    if why is not None:
+        logger.warning(
+            "the Mooncake client of master %s is left open until this process "
+            "exits (closing it now would stall the process): %s",
+            ident[0],
+            why,
+        )
+        _unclosed.append(client)  # alive: closing it at exit is Mooncake's
+        return
     client.close()
