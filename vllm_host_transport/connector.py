@@ -281,6 +281,7 @@ _STATS = (
     "perkey_puts",
     "perkey_gets",
     "put_failures",
+    "put_no_space",
     "corrupt_frames",
     "dead_producer_frames",
     "dead_producers_pruned",

@@ -12,6 +12,7 @@ one."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -34,6 +35,9 @@ from vllm_host_transport.shared import seg_name as _seg_name
 
 # A child of vLLM's "vllm" logger (a name only: nothing is imported), so in a
 # vLLM process these lines go where vLLM's own go.
+# A put that failed for want of room in the file system.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
 logger = logging.getLogger("vllm.host_transport.sender")
 
 #: Most keys with a payload no receiver is known to have taken; past it the
@@ -91,6 +95,7 @@ class Sender:
         self._ring_wait_s = config.ring_wait_s
         self._spill_age_s = config.ring_spill_age_s
         self._max_payload = config.max_payload_bytes
+        self._no_space_logged = False
 
     def put(
         self, from_stage: Any, to_stage: Any, key: str, data: Any
@@ -101,6 +106,22 @@ class Sender:
                 return self._put_locked(from_stage, to_stage, key, data)
         except PayloadTooLarge as e:
             logger.warning("host transport: put %r rejected: %s", key, e)
+        except OSError as e:
+            if e.errno not in _NO_SPACE:
+                logger.exception("host transport: put %r failed", key)
+            else:
+                # An expected condition on a shared node, not a bug: said
+                # once per connector (the caller reports each failure).
+                self._stats["put_no_space"] += 1
+                if not self._no_space_logged:
+                    self._no_space_logged = True
+                    logger.warning(
+                        "host transport: put %r failed: /dev/shm is full (%s); "
+                        "further puts that find it full fail without a log "
+                        "line (counted in health()['put_no_space'])",
+                        key,
+                        e.strerror,
+                    )
         except Exception:
             logger.exception("host transport: put %r failed", key)
         self._stats["put_failures"] += 1

@@ -7,6 +7,7 @@ the next one), and the engine's side goes on handing out references."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -145,3 +146,79 @@ def test_a_zero_row_reference_fetches_over_the_host_transport(refs):
     ref = refs.publish(np.zeros((0, 48, 8), np.uint8), 0)
     got = fetch(ref.to_json())
     assert got.shape == (0, 48, 8) and got.dtype == np.uint8
+
+
+NOSPACE_CHILD = r"""
+import json, os
+import numpy as np
+from vllm.config.artifact import ArtifactConfig
+from vllm.distributed.artifact_connector.route_refs import (
+    RouteRefPublishError, RouteRefs)
+from vllm_host_transport import routed_experts
+from vllm_host_transport.routed_experts import RouteRefMissingError, fetch
+
+def free_kib():
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize >> 10
+
+refs = RouteRefs(ArtifactConfig(ref_scope="nospace", ref_max_bytes=1 << 30))
+# Ten 96 KiB responses: frames of the (preallocated) 4 MiB ring.
+rows = [np.full((256, 48, 8), i, np.uint8) for i in range(10)]
+small = [refs.publish(r, 0) for r in rows]
+# Another engine's files leave 1 MiB free.
+with open("/dev/shm/other-engine", "wb") as f:
+    f.write(bytes((free_kib() - 1024) << 10))
+before = free_kib()
+out = {}
+try:
+    refs.publish(np.zeros((10000, 48, 8), np.uint8), 0)  # 3.7 MiB, per-key
+    out["big"] = "published"
+except RouteRefPublishError as e:
+    out["big"] = str(e)
+out["space_evictions"] = refs.space_evictions
+out["expired"] = refs.expired
+out["freed_kib"] = free_kib() - before
+os.unlink("/dev/shm/other-engine")
+def exact(ref, want):
+    try:
+        return bool((fetch(ref) == want).all())
+    except RouteRefMissingError:
+        return False
+out["exact"] = [exact(r, a) for r, a in zip(small, rows)]
+refs.close()
+routed_experts.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_full_dev_shm_retires_nothing_that_frees_nothing():
+    """r5 M5: ``/dev/shm`` full and a payload that needs a segment: the
+    waiting references live in the preallocated ring, so removing them
+    frees nothing; none is removed, the publish fails with the typed error,
+    and the full file system is logged once, without a traceback."""
+    import subprocess
+    import sys
+
+    from utils.shm_ns import skip_unless_private_shm, small_shm_argv
+
+    skip_unless_private_shm()
+    r = subprocess.run(
+        small_shm_argv("24m", f"{sys.executable} -c {_shell_quote(NOSPACE_CHILD)}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_HOST_TRANSPORT_SCOPE": ""},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "/dev/shm is full" in out["big"], out
+    assert out["space_evictions"] == 0 and out["expired"] == 0, out
+    assert out["exact"] == [True] * 10, out
+    assert "Traceback" not in r.stderr, r.stderr[-4000:]
+    assert r.stderr.count("/dev/shm is full") <= 1, r.stderr[-4000:]
+
+
+def _shell_quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)

@@ -20,8 +20,11 @@ oldest ones leave while more than ``ref_max_bytes`` or
 stops (a killed engine's host payloads are removed by the next engine or
 fetch in the scope, see ``vllm_host_transport/liveness.py``). When a host
 put fails because ``/dev/shm`` itself is full (the engines of a node share
-it), this engine's oldest unfetched payloads are removed, one at a time,
-and the put tried again. The expiry
+it), this engine's oldest unfetched payloads that have a per-key segment of
+their own (those in the preallocated ring free nothing) are removed, only
+until the free space covers the new payload, and the put is tried again,
+at most :data:`_MAX_SPACE_RETRIES` times; a removal that frees nothing ends
+it. The expiry
 pass (:meth:`RouteRefs.expire`, every second) also learns which host
 payloads were fetched, so ``waiting_bytes`` counts only what really waits.
 Retiring a payload that was fetched is a no-op. Used by the hand-off thread
@@ -74,6 +77,8 @@ class _NoSpaceError(RouteRefPublishError):
 #: cause): a payload's frame and segment header take a few hundred bytes,
 #: and tmpfs allocates whole pages.
 _NO_SPACE_SLACK = 64 << 10
+#: Puts tried again after making room in a full ``/dev/shm``.
+_MAX_SPACE_RETRIES = 3
 
 
 class _HostSink:
@@ -95,9 +100,12 @@ class _HostSink:
             ) from e
         self.location = self._conn.scope_name
 
-    def put(self, key: str, rows: np.ndarray) -> None:
+    def put(self, key: str, rows: np.ndarray) -> bool:
+        """Returns whether the payload took a per-key segment of its own
+        (removing it gives its bytes back to ``/dev/shm``; a ring frame's
+        are preallocated)."""
         try:
-            ok, _, _ = self._conn.put(EDGE[0], EDGE[1], key, rows)
+            ok, _, desc = self._conn.put(EDGE[0], EDGE[1], key, rows)
         except HostTransportError as e:
             raise RouteRefPublishError(f"the host transport failed: {e}") from e
         if not ok:
@@ -112,6 +120,13 @@ class _HostSink:
                 + ("; /dev/shm is full" if error is _NoSpaceError else "")
                 + "; see the engine log"
             )
+        return desc is not None and desc.get("plane") == "key"
+
+    def free_bytes(self) -> int:
+        try:
+            return free_bytes(self._conn.scope_dir)
+        except HostTransportError:
+            return 0
 
     def retire(self, key: str) -> bool:
         return self._conn.cleanup(key)
@@ -146,17 +161,18 @@ class _MooncakeSink:
         # segment Mooncake would pick (on another node, maybe).
         self._placement = client.own_segment(self._store)
 
-    def put(self, key: str, rows: np.ndarray) -> None:
+    def put(self, key: str, rows: np.ndarray) -> bool:
         if not rows.nbytes:
             # Mooncake refuses empty objects (-600); a reference to no rows
             # is fetched from the reference alone (routed_experts.fetch).
-            return
+            return False
         rc = self._store.put(key, rows.reshape(-1).view(np.uint8).data, self._placement)
         if rc != 0:
             raise RouteRefPublishError(
                 f"the Mooncake Store (master {self.location}) refused a "
                 f"{rows.nbytes}-byte payload (put returned {rc})"
             )
+        return False  # never in /dev/shm
 
     def retire(self, key: str) -> bool:
         # Fails while a reader's lease holds the object; Mooncake's own
@@ -183,6 +199,7 @@ class _Waiting:
     key: str
     nbytes: int
     expires: float
+    own_segment: bool  # a per-key segment: removing it frees /dev/shm
 
 
 class RouteRefs:
@@ -222,23 +239,26 @@ class RouteRefs:
         ):
             self._retire(waiting.popitem(last=False)[1])
         key = secrets.token_hex(16)
+        retries = 0
         while True:
             try:
-                self._sink.put(key, rows)
+                own_segment = self._sink.put(key, rows)
                 break
             except _NoSpaceError as e:
                 # /dev/shm is full (other engines, other files): this
-                # engine's oldest unfetched payloads go first, as beyond
-                # ref_max_bytes.
-                if not waiting:
+                # engine's oldest unfetched payloads that hold space of
+                # their own go first, as beyond ref_max_bytes.
+                if retries == _MAX_SPACE_RETRIES or not self._make_room(rows.nbytes):
                     raise RouteRefPublishError(
-                        f"{e}, and this engine has no unfetched references left "
-                        "to remove; give /dev/shm more room or size the engines "
-                        "that share it (engines_per_node, $VLLM_ENGINES_PER_NODE)"
+                        f"{e}, and removing this engine's unfetched references "
+                        "cannot make room for it; give /dev/shm more room or "
+                        "size the engines that share it (engines_per_node, "
+                        "$VLLM_ENGINES_PER_NODE)"
                     ) from e
-                self._retire(waiting.popitem(last=False)[1])
-                self.space_evictions += 1
-        waiting[key] = _Waiting(key, rows.nbytes, time.monotonic() + self._ttl_s)
+                retries += 1
+        waiting[key] = _Waiting(
+            key, rows.nbytes, time.monotonic() + self._ttl_s, own_segment
+        )
         self.waiting_bytes += rows.nbytes
         self.published += 1
         return RoutedExpertsRef(
@@ -252,6 +272,37 @@ class RouteRefs:
             prompt_start=prompt_start,
         )
 
+    def _make_room(self, nbytes: int) -> bool:
+        """Remove this engine's oldest unfetched payloads that have a
+        segment of their own until ``/dev/shm`` has room for ``nbytes`` more;
+        stops at the first removal that frees nothing (the payload was
+        fetched meanwhile, or a trainer still maps it). Returns whether there
+        is room now."""
+        sink = self._sink
+        if not isinstance(sink, _HostSink):
+            return False
+        self._forget_taken()
+        need = nbytes + _NO_SPACE_SLACK
+        free = sink.free_bytes()
+        for w in [w for w in self._waiting.values() if w.own_segment]:
+            if free >= need:
+                break
+            del self._waiting[w.key]
+            self._retire(w)
+            self.space_evictions += 1
+            now = sink.free_bytes()
+            if now <= free:
+                return False
+            free = now
+        return free >= need
+
+    def _forget_taken(self) -> None:
+        waiting = self._waiting
+        for key in self._sink.taken():
+            w = waiting.pop(key, None)
+            if w is not None:
+                self.waiting_bytes -= w.nbytes
+
     def counters(self) -> dict[str, int]:
         """For the metrics (read from the engine thread: plain ints)."""
         return {
@@ -264,10 +315,7 @@ class RouteRefs:
         """The periodic pass: forget the payloads that were fetched, retire
         those past their TTL, and remove what killed engines left."""
         waiting = self._waiting
-        for key in self._sink.taken():
-            w = waiting.pop(key, None)
-            if w is not None:
-                self.waiting_bytes -= w.nbytes
+        self._forget_taken()
         now = time.monotonic()
         while waiting:
             w = next(iter(waiting.values()))
