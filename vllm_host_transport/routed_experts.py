@@ -242,15 +242,15 @@ def _take_from_host(ref: RoutedExpertsRef, timeout_s: float) -> np.ndarray:
     from vllm_host_transport import HostTransportError
 
     try:
-        # Borrowed: a large payload comes as the claimed segment's private
-        # mapping, not a copy (docs/benchmarks.md, "Routes by reference").
+        # Copied out, never borrowed: a mapping of the claimed segment would
+        # keep its pages charged to /dev/shm for as long as the trainer
+        # holds the array, outside every engine's bound (r5 M6).
         # Published: the engine handed the reference out after its put.
         got = _connector(ref.location).get_with_deadline(
             EDGE[0],
             EDGE[1],
             ref.key,
             deadline=time.monotonic() + timeout_s,
-            borrow=True,
             published=True,
         )
     except (HostTransportError, OSError) as e:
@@ -269,4 +269,12 @@ def _take_from_host(ref: RoutedExpertsRef, timeout_s: float) -> np.ndarray:
             f"routes {ref.key}: the payload is not the {ref.nbytes}-byte array "
             "the reference names"
         )
+    if not payload.flags.writeable:
+        # The transport hands arrays out read-only (leaves of one payload
+        # may share a buffer); this payload is one array in memory of this
+        # process's own, so the trainer may write it.
+        try:
+            payload.flags.writeable = True
+        except ValueError:
+            payload = payload.copy()
     return np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
