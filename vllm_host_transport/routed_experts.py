@@ -220,10 +220,14 @@ def fetch(
     host fetch waits for a lock another process holds on the payload (a
     competing consumer, the engine moving it). Raises only
     :class:`RouteRefError` subclasses."""
-    if not isinstance(ref, RoutedExpertsRef):
-        ref = RoutedExpertsRef.from_json(ref)
-    else:
-        ref.check()
+    if isinstance(ref, RoutedExpertsRef):
+        # msgspec does not validate a Struct built in code: its fields go
+        # through the same typed decoding as a reference read from JSON.
+        try:
+            ref = msgspec.to_builtins(ref)
+        except (TypeError, ValueError) as e:
+            raise RouteRefInvalidError(f"not a routed-experts reference: {e}") from e
+    ref = RoutedExpertsRef.from_json(ref)
     if ref.transport == "mooncake":
         # Imported here: mooncake_refs imports this module's types.
         from vllm_host_transport.mooncake_refs import take_from_mooncake

@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 from utils.shm_ns import skip_unless_private_shm, small_shm_argv
 
 PIN_CHILD = r"""
@@ -75,3 +76,49 @@ def test_fetched_arrays_do_not_pin_dev_shm():
     # Held arrays: /dev/shm back to (about) where it started; the ring
     # (4 MiB, preallocated) and the stamp page may remain.
     assert out["held"] - out["start"] <= 5, out
+
+
+def _ref_fields(**over) -> dict:
+    fields = dict(
+        transport="host",
+        location="x",
+        key="0" * 32,
+        shape=(1, 1, 1),
+        dtype="uint8",
+        nbytes=1,
+        checksum="0" * 16,
+    )
+    fields.update(over)
+    return fields
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        _ref_fields(shape=(1, 2)),
+        _ref_fields(transport="mooncake", location=5),
+        _ref_fields(nbytes="1"),
+        _ref_fields(shape=("1", 1, 1)),
+        _ref_fields(prompt_start=None),
+        _ref_fields(key=None),
+    ],
+    ids=[
+        "2-d shape",
+        "int location",
+        "str nbytes",
+        "str row",
+        "None start",
+        "None key",
+    ],
+)
+def test_a_malformed_struct_is_a_typed_error(fields):
+    """r5 L4: a ``RoutedExpertsRef`` built in code is not validated by
+    msgspec; ``fetch`` still raises only ``RouteRefInvalidError``."""
+    from vllm_host_transport.routed_experts import (
+        RoutedExpertsRef,
+        RouteRefInvalidError,
+        fetch,
+    )
+
+    with pytest.raises(RouteRefInvalidError):
+        fetch(RoutedExpertsRef(**fields))
