@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 from harness_env import CACHE
 
-import vllm.config.artifact as artifact_module
+import vllm.config.artifact_node as node_module
+import vllm.config.artifact_settings as settings_module
 import vllm.envs as envs
 from vllm.config import AuxOutputConfig, ModelConfig, VllmConfig
 from vllm.config.artifact import (
@@ -105,7 +106,7 @@ def _default_shm_root(monkeypatch):
     """Building a config creates its store root (r5 M4): the default one of
     these tests carries this session's pid and goes after each test."""
     default = _shm_name("default-root")
-    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    monkeypatch.setattr(settings_module, "default_shm_root", lambda: default)
     yield
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(default)
@@ -791,11 +792,11 @@ def test_hijacked_default_shm_root_gets_a_fresh_private_root(
     from vllm.distributed.artifact_connector.shm import ShmStoreWriter, make_namespace
 
     default, target = hijack_paths
-    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    monkeypatch.setattr(settings_module, "default_shm_root", lambda: default)
     _hijack(default, how, target)
     warnings: list[str] = []
     monkeypatch.setattr(
-        artifact_module.logger, "warning", lambda msg, *a: warnings.append(msg % a)
+        node_module.logger, "warning", lambda msg, *a: warnings.append(msg % a)
     )
     cfg = _build_r3(tiny_moe)  # no shm_root given: the default
     root = cfg.artifact_config.shm_root
@@ -825,7 +826,7 @@ def test_fresh_roots_of_crashed_engines_are_collected(
     from vllm.distributed.artifact_connector.shm import ShmStoreWriter, make_namespace
 
     default, target = hijack_paths
-    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    monkeypatch.setattr(settings_module, "default_shm_root", lambda: default)
     _hijack(default, "other-owner", target)
     earlier = _build_r3(tiny_moe).artifact_config.shm_root
     ns = make_namespace()
@@ -853,7 +854,7 @@ def test_default_shm_root_is_taken_when_the_config_resolves_it(
     from vllm.distributed.artifact_connector.shm import ShmStoreWriter, make_namespace
 
     default, _ = hijack_paths
-    monkeypatch.setattr(artifact_module, "default_shm_root", lambda: default)
+    monkeypatch.setattr(settings_module, "default_shm_root", lambda: default)
     root = _build_r3(tiny_moe).artifact_config.shm_root
     assert root == default
     st = os.lstat(root)
@@ -1134,3 +1135,50 @@ def test_the_config_is_a_leaf():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip().splitlines()[-1] == "[]", out
+
+
+def _config_modules() -> dict[str, set[str]]:
+    """Each fork module of the routed-experts configuration and the others
+    of them it imports, anywhere in it (type-only and deferred imports
+    included: a circle through them is a circle all the same)."""
+    import ast
+
+    folder = Path(__file__).resolve().parent.parent / "vllm" / "config"
+    modules = {p.stem: p for p in folder.glob("artifact*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module]
+                if node.module == "vllm.config":
+                    targets = [f"vllm.config.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                stem = target.rpartition(".")[2]
+                if target.startswith("vllm.config.") and stem in modules:
+                    graph[name].add(stem)
+    return graph
+
+
+def test_the_config_modules_do_one_job_each_in_layers():
+    """The configuration's modules import one another in one direction only
+    (no circle: ``artifact.py`` and ``artifact_transfer.py`` imported each
+    other), and none holds two jobs (past about 600 lines)."""
+    graph = _config_modules()
+    assert {"artifact", "artifact_transfer", "artifact_sizing"} <= graph.keys()
+
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(
+            nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt}))
+            for nxt in graph[start]
+        )
+
+    circles = sorted(name for name in graph if reaches(name, name))
+    assert circles == [], graph
+    folder = Path(__file__).resolve().parent.parent / "vllm" / "config"
+    lengths = {n: len((folder / f"{n}.py").read_text().splitlines()) for n in graph}
+    assert max(lengths.values()) <= 600, lengths

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vllm.config.artifact import ArtifactConfig
+    from vllm.config.artifact_settings import ArtifactConfig
     from vllm.config.vllm import VllmConfig
 
 Reject = Callable[[str, str], None]
