@@ -21,7 +21,7 @@ from vllm_host_transport.config import (
     HostTransportConfig,
 )
 from vllm_host_transport.connector import HostTransportConnector
-from vllm_host_transport.discovery import HostTransportError
+from vllm_host_transport.discovery import HostTransportError, ScopeMissingError
 from vllm_host_transport.frame import CorruptFrame, PayloadTooLarge
 from vllm_host_transport.receiver import receive_payload
 
@@ -36,5 +36,6 @@ __all__ = [
     "MIN_HOST_RING_BYTES",
     "PayloadTooLarge",
     "SCOPE_ENV",
+    "ScopeMissingError",
     "receive_payload",
 ]

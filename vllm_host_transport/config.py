@@ -50,6 +50,11 @@ class HostTransportConfig:
     that hands its scope name to its consumers (as a routed-experts
     reference does) can use it: the others would not find the new scope."""
 
+    create_scope: bool = True
+    """``False``: join the scope only if its directory exists (a consumer of
+    a scope it learned from a producer: a stale or foreign name must not
+    create a directory); a missing one raises ``ScopeMissingError``."""
+
     shm_root: str = "/dev/shm"
     """Directory of the shared-memory mount that holds the scope directory."""
 

@@ -76,7 +76,10 @@ class HostTransportConnector:
                 self.scope_name,
             )
         scope = ScopeDir(
-            self.config.shm_root, self.scope_name, fallback=self.config.scope_fallback
+            self.config.shm_root,
+            self.scope_name,
+            fallback=self.config.scope_fallback,
+            create=self.config.create_scope,
         )
         if scope.squatted is not None:
             logger.warning(

@@ -67,6 +67,11 @@ class HostTransportError(RuntimeError):
     """The transport cannot work in this environment."""
 
 
+class ScopeMissingError(HostTransportError):
+    """The scope's directory does not exist, and the connector was asked to
+    join an existing scope only (``create_scope=False``)."""
+
+
 class ScopeSquattedError(HostTransportError):
     """The scope's directory exists but is not this user's private directory
     (another owner, group or other access, a symlink, not a directory):
@@ -286,7 +291,9 @@ class ScopeDir:
             suffixes.append(m.group(2))
         return "-".join([f"vllm-ht-{os.getuid()}-{hex_name(scope)}", *suffixes[::-1]])
 
-    def __init__(self, root: str, scope: str, fallback: bool = False) -> None:
+    def __init__(
+        self, root: str, scope: str, fallback: bool = False, create: bool = True
+    ) -> None:
         check_platform()
         self.uid = os.getuid()
         self.root = root
@@ -301,7 +308,7 @@ class ScopeDir:
         root_fd = _open_root(root)
         try:
             try:
-                fd = self._join(root_fd, create=True)
+                fd = self._join(root_fd, create=create)
             except ScopeSquattedError as e:
                 if not fallback:
                     raise
@@ -324,7 +331,9 @@ class ScopeDir:
                 fd = _open_scope_dir(root_fd, self.name, self.path, create)
             except FileNotFoundError:
                 # Removed between our mkdir and open by a last closer.
-                if not create or time.monotonic() > deadline:
+                if not create:
+                    raise ScopeMissingError(f"{self.path} does not exist") from None
+                if time.monotonic() > deadline:
                     raise HostTransportError(f"{self.path} vanished") from None
                 continue
             # Busy only while a last closer removes the directory.
@@ -342,7 +351,7 @@ class ScopeDir:
                 return fd
             os.close(fd)  # removed meanwhile: create it again
             if not create:
-                raise HostTransportError(f"{self.path} was removed")
+                raise ScopeMissingError(f"{self.path} was removed")
 
     def _join_fresh(self, root_fd: int) -> int:
         """Join a new private directory instead of the squatted one."""

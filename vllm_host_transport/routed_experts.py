@@ -39,11 +39,14 @@ never returns a partial array.
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import os
 import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -168,7 +171,22 @@ def checksum_hex(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-_connectors: dict[str, Any] = {}
+#: Most host-transport scopes whose connectors ``fetch`` keeps open; the
+#: least recently used idle one is closed beyond it.
+MAX_CONNECTORS = 16
+
+
+class _Open:
+    """A connector ``fetch`` keeps, and how many fetches use it now."""
+
+    __slots__ = ("conn", "users")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.users = 0
+
+
+_connectors: collections.OrderedDict[str, _Open] = collections.OrderedDict()
 _connectors_lock = threading.Lock()
 
 
@@ -176,7 +194,7 @@ def close() -> None:
     """Let go of the transports ``fetch`` opened (also run at exit): the
     last process to leave a host-transport scope removes it."""
     with _connectors_lock:
-        conns = list(_connectors.values())
+        conns = [o.conn for o in _connectors.values()]
         _connectors.clear()
     for conn in conns:
         conn.close()
@@ -198,16 +216,35 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _connector(scope: str) -> Any:
+@contextlib.contextmanager
+def _connector(scope: str) -> Iterator[Any]:
+    """A connector of ``scope`` for one fetch. It only joins a scope whose
+    directory exists (``ScopeMissingError`` otherwise: nothing is created
+    for a stale or foreign name); at most :data:`MAX_CONNECTORS` are kept,
+    the least recently used idle ones closed beyond it."""
     from vllm_host_transport import HostTransportConfig, HostTransportConnector
 
     with _connectors_lock:
-        conn = _connectors.get(scope)
-        if conn is None:
-            conn = _connectors[scope] = HostTransportConnector(
-                HostTransportConfig(scope=scope)
+        entry = _connectors.get(scope)
+        if entry is None:
+            entry = _Open(
+                HostTransportConnector(
+                    HostTransportConfig(scope=scope, create_scope=False)
+                )
             )
-        return conn
+            _connectors[scope] = entry
+        _connectors.move_to_end(scope)
+        entry.users += 1
+        excess = len(_connectors) - MAX_CONNECTORS
+        idle = [s for s, o in _connectors.items() if o.users == 0][: max(excess, 0)]
+        closing = [_connectors.pop(s).conn for s in idle]
+    for conn in closing:
+        conn.close()
+    try:
+        yield entry.conn
+    finally:
+        with _connectors_lock:
+            entry.users -= 1
 
 
 def fetch(
@@ -243,20 +280,23 @@ def fetch(
 
 
 def _take_from_host(ref: RoutedExpertsRef, timeout_s: float) -> np.ndarray:
-    from vllm_host_transport import HostTransportError
+    from vllm_host_transport import HostTransportError, ScopeMissingError
 
     try:
         # Copied out, never borrowed: a mapping of the claimed segment would
         # keep its pages charged to /dev/shm for as long as the trainer
         # holds the array, outside every engine's bound (r5 M6).
         # Published: the engine handed the reference out after its put.
-        got = _connector(ref.location).get_with_deadline(
-            EDGE[0],
-            EDGE[1],
-            ref.key,
-            deadline=time.monotonic() + timeout_s,
-            published=True,
-        )
+        with _connector(ref.location) as conn:
+            got = conn.get_with_deadline(
+                EDGE[0],
+                EDGE[1],
+                ref.key,
+                deadline=time.monotonic() + timeout_s,
+                published=True,
+            )
+    except ScopeMissingError:
+        got = None  # the engine and every other process left the scope
     except (HostTransportError, OSError) as e:
         raise RouteRefTransportError(
             f"host-transport scope {ref.location!r} cannot be used: {e}"

@@ -122,3 +122,61 @@ def test_a_malformed_struct_is_a_typed_error(fields):
 
     with pytest.raises(RouteRefInvalidError):
         fetch(RoutedExpertsRef(**fields))
+
+
+def test_stale_locations_create_nothing_and_the_cache_is_bounded():
+    """r5 L5: fetching references to scopes that do not exist (an engine
+    long gone, another node's) creates no directory and keeps no connector;
+    fetches from many live scopes keep a bounded number of connectors."""
+    import glob
+    import secrets
+    import uuid
+
+    import numpy as np
+
+    from vllm_host_transport import HostTransportConfig, HostTransportConnector
+    from vllm_host_transport import routed_experts as client
+    from vllm_host_transport.routed_experts import (
+        EDGE,
+        RoutedExpertsRef,
+        RouteRefMissingError,
+        checksum_hex,
+        fetch,
+    )
+
+    client.close()
+    before = set(glob.glob(f"/dev/shm/vllm-ht-{os.getuid()}-*"))
+    for i in range(5):
+        ref = _ref_fields(location=f"gone-engine-{uuid.uuid4().hex}~{i:016x}")
+        with pytest.raises(RouteRefMissingError):
+            fetch(ref)
+        with pytest.raises(RouteRefMissingError):
+            fetch(_ref_fields(location=f"gone-engine-{uuid.uuid4().hex}"))
+    assert set(glob.glob(f"/dev/shm/vllm-ht-{os.getuid()}-*")) == before
+    assert len(client._connectors) == 0
+
+    producers = [
+        HostTransportConnector(HostTransportConfig(scope=f"many-{uuid.uuid4().hex}"))
+        for _ in range(client.MAX_CONNECTORS + 4)
+    ]
+    try:
+        rows = np.arange(48, dtype=np.uint8).reshape(2, 24, 1)
+        for p in producers:
+            key = secrets.token_hex(16)
+            assert p.put(EDGE[0], EDGE[1], key, rows)[0]
+            ref = RoutedExpertsRef(
+                transport="host",
+                location=p.scope_name,
+                key=key,
+                shape=rows.shape,
+                dtype="uint8",
+                nbytes=rows.nbytes,
+                checksum=checksum_hex(rows.reshape(-1)),
+            )
+            assert (fetch(ref) == rows).all()
+            assert len(client._connectors) <= client.MAX_CONNECTORS
+    finally:
+        client.close()
+        for p in producers:
+            p.close()
+    assert set(glob.glob(f"/dev/shm/vllm-ht-{os.getuid()}-*")) == before
