@@ -12,10 +12,53 @@
 # - run.sh, probe.py: the shared harness's driver (unchanged).
 # Then, one device call:
 #   CMD="bash tests/gpu/device_run.sh" SKIP_ENV=1 TCMD=540 bash .devcarry/run.sh
+#
+# The shared harness's tools (shared/tools/gpu: run.sh, probe.py,
+# fetch_wheels.sh) are looked up in $SHARED_DIR/tools/gpu when SHARED_DIR
+# names the shared/ directory, else in shared/tools/gpu of this checkout or of
+# any directory above it (../shared beside the main checkout, and a clone
+# anywhere below that directory). `make_carry.sh --shared-tools` prints the
+# directory it would use and stops.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-SHARED=${SHARED_GPU_TOOLS:-$ROOT/../shared/tools/gpu}
+TOOLS="run.sh probe.py fetch_wheels.sh"
+
+has_tools() {
+  local t
+  for t in $TOOLS; do [ -f "$1/$t" ] || return 1; done
+}
+
+find_shared_tools() {
+  if [ -n "${SHARED_DIR:-}" ]; then
+    if has_tools "$SHARED_DIR/tools/gpu"; then
+      (cd "$SHARED_DIR/tools/gpu" && pwd)
+      return
+    fi
+    echo "make_carry.sh: SHARED_DIR=$SHARED_DIR has no tools/gpu/ with $TOOLS;" \
+      "set SHARED_DIR to the shared/ directory that holds them" >&2
+    exit 2
+  fi
+  local dir=$ROOT
+  while :; do
+    if has_tools "$dir/shared/tools/gpu"; then
+      (cd "$dir/shared/tools/gpu" && pwd)
+      return
+    fi
+    [ "$dir" = / ] && break
+    dir=$(dirname "$dir")
+  done
+  echo "make_carry.sh: the shared GPU tools ($TOOLS) are not in shared/tools/gpu" \
+    "of $ROOT or of any directory above it; set SHARED_DIR=/path/to/shared" \
+    "(the directory holding tools/gpu/)" >&2
+  exit 2
+}
+
+SHARED=$(find_shared_tools)
+if [ "${1:-}" = --shared-tools ]; then
+  echo "$SHARED"
+  exit 0
+fi
 VLLM=${VLLM:-0.32.0}
 .venv/bin/python tools/fork.py check --base cuda --vllm "$VLLM" >/dev/null
 WHEEL=$(ls "$ROOT"/.cache/wheels/cuda-"$VLLM"/vllm-"$VLLM"-*.whl)

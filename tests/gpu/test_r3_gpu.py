@@ -388,6 +388,15 @@ def _need(runs: dict[str, Run], name: str) -> Run:
     return r
 
 
+def _ran(runs: dict[str, Run], names, what: str) -> list[str]:
+    """The cases of ``names`` that ran; none is a skip naming ``what`` (a
+    test over absent cases checks nothing, so it may not pass)."""
+    ran = [n for n in names if n in runs]
+    if not ran:
+        _skip(f"no {what} case in this run's case set (R3_GPU_CASES)")
+    return ran
+
+
 def _skip(msg: str):
     if pytest is not None:
         pytest.skip(msg)
@@ -411,7 +420,7 @@ if pytest is not None:
 
 
 def test_engines_ran_on_model_runner_v2(runs):
-    for name in runs:
+    for name in _ran(runs, CASES, "engine"):
         r = _need(runs, name)
         m = r.meta
         assert m["use_v2_model_runner"] is True, (name, m["use_v2_model_runner"])
@@ -444,10 +453,7 @@ def test_engines_ran_on_model_runner_v2(runs):
 def test_shape_dtype_and_no_error(runs):
     # Every fork case that ran (the TP cases do not on one GPU); none at all
     # is a skip.
-    ran = [name for name in FORK_CASES if name in runs]
-    if not ran:
-        _skip("no fork case ran")
-    for name in ran:
+    for name in _ran(runs, FORK_CASES, "fork"):
         r = _need(runs, name)
         L, K, E = r.meta["num_hidden_layers"], r.meta["top_k"], r.meta["num_experts"]
         assert r.meta.get("shm_root_left") is False, (name, "store left in /dev/shm")
@@ -576,7 +582,7 @@ def test_prefix_cache_round_identical(runs):
     are replayed from the store (bit for bit); the whole array equals round
     1's up to near-ties (exactly, when round 1 computed the shared prefix
     identically for every prompt)."""
-    for name in runs:
+    for name in _ran(runs, CASES, "engine"):
         r = _need(runs, name)
         tol = TIE_TOL[CASES[name].get("f32")]
         o1, o2 = r.outs(0), r.outs(1)
@@ -606,7 +612,7 @@ def test_shared_prefix_rows_equal(runs):
     """Every prompt starts with the same 256 tokens, computed once per prompt
     in round 1 (equal up to near-ties; exactly, so far) and served from the
     cache in round 2 (checked bit for bit above)."""
-    for name in runs:
+    for name in _ran(runs, CASES, "engine"):
         r = _need(runs, name)
         tol = TIE_TOL[CASES[name].get("f32")]
         ref = r.routes[(0, ROUND1[0])][:PREFIX_LEN]
@@ -710,11 +716,11 @@ def test_same_routes_as_base_aux_output(runs):
 
 
 def _oracle(runs, name: str, tol: tuple[float, float]) -> None:
+    r = _need(runs, name)
     if _hf_logits([3, 4]) is None:
         _skip("transformers not importable")
     import transformers
 
-    r = _need(runs, name)
     total = {
         "transformers": transformers.__version__,
         "entries": 0,
@@ -760,6 +766,7 @@ def test_cuda_graphs_captured_and_replayed(runs):
     """The graph cases decoded through replays of captured full graphs (a
     fall-back to eager would make every other graph test vacuous); the
     eager ones never replayed."""
+    _ran(runs, GRAPH_CASES, "CUDA-graph")
     ran = [n for n in runs if CASES[n].get("tp", 1) == 1]
     for name in ran:
         r = _need(runs, name)
@@ -861,9 +868,7 @@ def test_eplb_routes_logical_and_same_as_without(runs):
     run without EPLB up to near-ties, before the first rebalancing (round 1)
     and after (rounds 2 and 3); the tokens are equal, so the experts'
     weights moved with the map."""
-    names = [n for n in EPLB_REF if n in runs]
-    if not names:
-        _skip("no EPLB case run")
+    names = _ran(runs, EPLB_REF, "EPLB")
     report = {}
     for name in names:
         r = _need(runs, name)
@@ -1005,14 +1010,13 @@ def _spec_case(runs, name: str) -> Run:
 
 
 def test_spec_decode_same_routes_as_ref(runs):
-    for name in ("spec", "spec_sync"):
-        if name in runs:
-            _assert_same_over_common_tokens(
-                _need(runs, SPEC_REF[name]),
-                _spec_case(runs, name),
-                f"{name} ({CASES[name]['speculative']['method']}) vs ref",
-                TIE_TOL[None],
-            )
+    for name in _ran(runs, ("spec", "spec_sync"), "speculative"):
+        _assert_same_over_common_tokens(
+            _need(runs, SPEC_REF[name]),
+            _spec_case(runs, name),
+            f"{name} ({CASES[name]['speculative']['method']}) vs ref",
+            TIE_TOL[None],
+        )
 
 
 def test_spec_decode_same_routes_as_ref_ieee(runs):
@@ -1028,9 +1032,7 @@ def test_spec_decode_drafts_accepted_and_rejected(runs):
     """The acceptance metrics of every request (``detailed``): drafts were
     proposed, some accepted, some rejected, and some verify steps kept part
     of their drafts only (rows dropped from the middle of a step)."""
-    names = [n for n in SPEC_REF if n in runs]
-    if not names:
-        _skip("no speculative case run")
+    names = _ran(runs, SPEC_REF, "speculative")
     report = {}
     for name in names:
         r = _spec_case(runs, name)
@@ -1072,15 +1074,29 @@ def test_spec_decode_drafts_accepted_and_rejected(runs):
 
 
 def test_spec_decode_matches_transformers_router(runs):
-    for name in ("spec", "spec_sync"):
-        if name in runs:
-            _spec_case(runs, name)
-            _oracle(runs, name, TIE_TOL[None])
+    for name in _ran(runs, ("spec", "spec_sync"), "speculative"):
+        _spec_case(runs, name)
+        _oracle(runs, name, TIE_TOL[None])
 
 
 def test_spec_decode_matches_transformers_router_ieee(runs):
     _spec_case(runs, "spec_ieee")
     _oracle(runs, "spec_ieee", TIE_TOL["ieee"])
+
+
+def test_routes_by_reference_fetch_equal_inline(runs):
+    """The engine hands the routes out with routed_experts_format="ref"; a
+    separate trainer process on the GPU node (no vLLM, no torch) fetches
+    them, bit for bit equal to the inline routes of the same requests."""
+    r = _need(runs, "handoff")
+    h = r.meta["by_ref"]
+    assert h["errors"] == {}, h
+    assert h["trainer_rc"] == 0, h["trainer_stderr"]
+    assert h["imported"] == [], h["imported"]
+    assert set(h["equal"]) == {str(i) for i in ROUND1}, h
+    assert all(h["equal"].values()), h["equal"]
+    assert all(v["transport"] == "host" for v in h["refs"].values())
+    _record("handoff_fetch_s", {"seconds": h["seconds"], "refs": h["refs"]})
 
 
 def _prompt_ids(i: int) -> list[int]:
@@ -1110,18 +1126,3 @@ if __name__ == "__main__":
             print(f"FAIL {fn.__name__}\n{traceback.format_exc()[-3000:]}", flush=True)
     print(f"{len(tests) - failed}/{len(tests)} passed", flush=True)
     sys.exit(1 if failed else 0)
-
-
-def test_routes_by_reference_fetch_equal_inline(runs):
-    """The engine hands the routes out with routed_experts_format="ref"; a
-    separate trainer process on the GPU node (no vLLM, no torch) fetches
-    them, bit for bit equal to the inline routes of the same requests."""
-    r = _need(runs, "handoff")
-    h = r.meta["by_ref"]
-    assert h["errors"] == {}, h
-    assert h["trainer_rc"] == 0, h["trainer_stderr"]
-    assert h["imported"] == [], h["imported"]
-    assert set(h["equal"]) == {str(i) for i in ROUND1}, h
-    assert all(h["equal"].values()), h["equal"]
-    assert all(v["transport"] == "host" for v in h["refs"].values())
-    _record("handoff_fetch_s", {"seconds": h["seconds"], "refs": h["refs"]})
