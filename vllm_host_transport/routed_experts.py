@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import hashlib
 import os
 import re
 import sys
@@ -61,6 +62,7 @@ TRANSPORTS = ("host", "mooncake")
 DTYPES = ("uint8", "int16", "uint16", "int32")
 _KEY_RE = re.compile(r"[0-9a-f]{32}\Z")
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{16}\Z")
+_SHA256_RE = re.compile(r"([0-9a-f]{64})?\Z")
 _MASTER_RE = re.compile(r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}\Z")
 # Longest host scope a reference may name (its own plus fallbacks' suffixes).
 _MAX_SCOPE_CHARS = 1024
@@ -95,8 +97,9 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
     ``fetch`` returns ``shape`` (``[rows, layers, top_k]`` of ``dtype``):
     row ``i`` holds the experts of token ``prompt_start + i`` of the
     request's prompt plus output. The stored payload (``nbytes``, xxh3-64
-    ``checksum``) may hold more rows than returned (the frontend cut the
-    request at a stop string or an abort after the engine computed more)."""
+    ``checksum``, and over Mooncake its ``sha256``) may hold more rows than
+    returned (the frontend cut the request at a stop string or an abort
+    after the engine computed more)."""
 
     transport: str
     """``host``: the host transport of the engine's node; ``mooncake``: a
@@ -114,6 +117,13 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     checksum: str
     prompt_start: int = 0
+    sha256: str = ""
+    """SHA-256 of the payload, hex: set on references over Mooncake, whose
+    objects anyone who reaches the master could replace (xxh3-64 catches
+    corruption, not crafted collisions); empty on the host transport (a
+    private directory of the user). A reference without it (an engine
+    before this field) is checked by ``checksum`` alone; a client before
+    it ignores the field."""
 
     def to_json(self) -> dict[str, Any]:
         """The reference as JSON values (what HTTP responses carry)."""
@@ -151,6 +161,8 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
             raise RouteRefInvalidError("key must be 32 lowercase hex characters")
         if not isinstance(self.checksum, str) or not _CHECKSUM_RE.match(self.checksum):
             raise RouteRefInvalidError("checksum must be 16 lowercase hex characters")
+        if not _SHA256_RE.match(self.sha256):
+            raise RouteRefInvalidError("sha256 must be empty or 64 lowercase hex")
         if self.dtype not in DTYPES:
             raise RouteRefInvalidError(f"dtype must be one of {', '.join(DTYPES)}")
         rows, layers, top_k = self.shape
@@ -169,6 +181,12 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
 def checksum_hex(data: Any) -> str:
     """The checksum a reference carries: xxh3-64 of the payload, hex."""
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def sha256_hex(data: Any) -> str:
+    """The digest a reference over Mooncake carries: SHA-256 of the
+    payload, hex."""
+    return hashlib.sha256(data).hexdigest()
 
 
 #: Most host-transport scopes whose connectors ``fetch`` keeps open; the
@@ -274,6 +292,10 @@ def fetch(
         raw = _take_from_host(ref, timeout_s)
     if checksum_hex(raw) != ref.checksum:
         raise RouteRefCorruptError(f"routes {ref.key}: checksum mismatch")
+    if ref.sha256 and sha256_hex(raw) != ref.sha256:
+        raise RouteRefCorruptError(
+            f"routes {ref.key}: SHA-256 mismatch (the stored object was replaced)"
+        )
     rows, layers, top_k = ref.shape
     stored = raw.view(ref.dtype).reshape(-1, layers, top_k)
     return stored[:rows] if rows < stored.shape[0] else stored

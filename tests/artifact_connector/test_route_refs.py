@@ -13,6 +13,7 @@ import os
 import signal
 import uuid
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -150,6 +151,7 @@ def test_a_zero_row_reference_fetches_over_the_host_transport(refs):
 
 NOSPACE_CHILD = r"""
 import json, os
+import msgspec
 import numpy as np
 from vllm.config.artifact import ArtifactConfig
 from vllm.distributed.artifact_connector.route_refs import (
@@ -222,3 +224,51 @@ def _shell_quote(s: str) -> str:
     import shlex
 
     return shlex.quote(s)
+
+
+def test_a_forged_mooncake_payload_with_a_matching_checksum_is_refused():
+    """r5 L2: a reference over Mooncake carries a SHA-256 of its payload
+    besides the xxh3-64 checksum. Someone who reaches the master replaces
+    the object with other bytes whose xxh3 matches (a crafted collision;
+    here the reference's checksum is made to match the forged bytes
+    instead): ``fetch`` refuses them. Real ``mooncake_master``."""
+    mooncake = pytest.importorskip(
+        "mooncake.store", reason="Mooncake's client is installed by `make setup`"
+    )
+    from utils.mooncake import running_master
+
+    from vllm_host_transport.routed_experts import (
+        RouteRefCorruptError,
+        checksum_hex,
+    )
+
+    rows = np.random.default_rng(2).integers(0, 128, (300, 48, 8), dtype=np.uint8)
+    forged = rows.copy()
+    forged[0, 0, 0] ^= 1
+    with running_master("mooncake-master-ref-digest") as master:
+        refs = RouteRefs(
+            ArtifactConfig(
+                ref_transport="mooncake",
+                mooncake_master=master.address,
+                mooncake_segment_bytes=16 << 20,
+                mooncake_buffer_bytes=16 << 20,
+            )
+        )
+        forger = mooncake.MooncakeDistributedStore()
+        try:
+            genuine, ref = refs.publish(rows, 0), refs.publish(rows, 0)
+            assert len(ref.sha256) == 64
+            np.testing.assert_array_equal(fetch(genuine), rows)
+            assert forger.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20,
+                                "tcp", "", master.address) == 0  # fmt: skip
+            assert forger.remove(ref.key) == 0
+            assert forger.put(ref.key, forged.reshape(-1).data) == 0
+            colliding = msgspec.structs.replace(
+                ref, checksum=checksum_hex(forged.reshape(-1))
+            )
+            with pytest.raises(RouteRefCorruptError, match="SHA-256"):
+                fetch(colliding)
+        finally:
+            forger.close()
+            refs.close()
+            routed_experts.close()

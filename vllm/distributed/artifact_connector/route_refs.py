@@ -51,7 +51,12 @@ from vllm_host_transport import (
     HostTransportConnector,
     HostTransportError,
 )
-from vllm_host_transport.routed_experts import EDGE, RoutedExpertsRef, checksum_hex
+from vllm_host_transport.routed_experts import (
+    EDGE,
+    RoutedExpertsRef,
+    checksum_hex,
+    sha256_hex,
+)
 
 if TYPE_CHECKING:
     from vllm.config.artifact import ArtifactConfig
@@ -256,6 +261,7 @@ class RouteRefs:
                         "$VLLM_ENGINES_PER_NODE)"
                     ) from e
                 retries += 1
+        flat = rows.reshape(-1).view(np.uint8)
         waiting[key] = _Waiting(
             key, rows.nbytes, time.monotonic() + self._ttl_s, own_segment
         )
@@ -268,8 +274,12 @@ class RouteRefs:
             shape=(rows.shape[0], rows.shape[1], rows.shape[2]),
             dtype=rows.dtype.name,
             nbytes=rows.nbytes,
-            checksum=checksum_hex(rows.reshape(-1).view(np.uint8)),
+            checksum=checksum_hex(flat),
             prompt_start=prompt_start,
+            # Over Mooncake (objects anyone who reaches the master may
+            # replace) a collision-resistant digest too; the host transport's
+            # files are the user's own.
+            sha256=sha256_hex(flat) if self._sink.transport == "mooncake" else "",
         )
 
     def _make_room(self, nbytes: int) -> bool:
