@@ -20,10 +20,9 @@ from vllm_host_transport.config import (
     SCOPE_ENV,
     HostTransportConfig,
 )
-from vllm_host_transport.connector import HostTransportConnector
+from vllm_host_transport.connector import HostTransportConnector, receive_payload
 from vllm_host_transport.discovery import HostTransportError, ScopeMissingError
 from vllm_host_transport.frame import CorruptFrame, PayloadTooLarge
-from vllm_host_transport.receiver import receive_payload
 
 __all__ = [
     "CorruptFrame",

@@ -14,6 +14,19 @@ process-local lock (:class:`.sender.Sender`, :class:`.receiver.Receiver`),
 so a thread receiving is never queued behind a thread of the same process
 that is sending (or waiting for a ring lock while sending).
 
+A process next to the engine (for example a trainer) that knows the
+deployment scope, the edge and the key of a finished request can take its
+payload::
+
+    from vllm_host_transport import (
+        HostTransportConfig, HostTransportConnector, receive_payload)
+
+    with HostTransportConnector(HostTransportConfig(scope="job-42")) as conn:
+        obj = receive_payload(conn, "engine", "trainer", "req_17_0",
+                              timeout_s=5.0)
+
+The producer publishes with ``conn.put("engine", "trainer", key, payload)``.
+
 A connector belongs to the process that created it: in a forked child it only
 drops its mappings when closed or collected (it never marks, unlinks or
 removes anything of its parent's), and ``put``/``get`` there fail.
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from vllm_host_transport import ring as ringmod
@@ -271,6 +285,27 @@ class HostTransportConnector:
         if receiver is not None:
             receiver.health(out)
         return out
+
+
+def receive_payload(
+    conn: HostTransportConnector,
+    from_stage: Any,
+    to_stage: Any,
+    key: str,
+    timeout_s: float = 0.0,
+    descriptor: dict[str, Any] | None = None,
+) -> Any | None:
+    """Take the payload published under ``key`` on ``from_stage -> to_stage``.
+
+    Waits up to ``timeout_s`` seconds (0: a single attempt) and returns the
+    owned object, or ``None`` when nothing arrived in time. Exactly one
+    receiver gets a given publication.
+    """
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    r = conn.get_with_deadline(
+        from_stage, to_stage, key, descriptor=descriptor, deadline=deadline
+    )
+    return None if r is None else r[0]
 
 
 # The counters of ``health()``, shared by both sides.

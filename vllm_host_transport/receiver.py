@@ -1,25 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The receiving side of a host-transport connector, and receiving a
-finished payload by key from another process of the node.
+"""The receiving side of a host-transport connector.
 
 :class:`Receiver` takes a key's payload from the producers' rings it has
 attached (found through the scope's stamp, re-read only when it changes) or
 from a per-key segment, never waiting on another process's lock. Its state
-is guarded by its own process-local lock.
-
-A process next to the engine (for example a trainer) that knows the
-deployment scope, the edge and the key of a finished request can take its
-payload::
-
-    from vllm_host_transport import (
-        HostTransportConfig, HostTransportConnector, receive_payload)
-
-    with HostTransportConnector(HostTransportConfig(scope="job-42")) as conn:
-        obj = receive_payload(conn, "engine", "trainer", "req_17_0",
-                              timeout_s=5.0)
-
-The producer publishes with ``conn.put("engine", "trainer", key, payload)``.
+is guarded by its own process-local lock. (A process next to the engine
+takes a payload through the connector: :func:`.connector.receive_payload`.)
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_host_transport import perkey
 from vllm_host_transport import ring as ringmod
@@ -50,9 +37,6 @@ from vllm_host_transport.shared import Shared
 from vllm_host_transport.shared import edge_hex as _edge_hex
 from vllm_host_transport.shared import key_hash as _key_hash
 from vllm_host_transport.shared import seg_name as _seg_name
-
-if TYPE_CHECKING:
-    from vllm_host_transport.connector import HostTransportConnector
 
 _MAX_MISSED = 4096
 
@@ -323,24 +307,3 @@ class Receiver:
 
     def health(self, out: dict[str, Any]) -> None:
         out["rings_mapped"] = sum(len(e.rings) for e in self._edges.values())
-
-
-def receive_payload(
-    conn: HostTransportConnector,
-    from_stage: Any,
-    to_stage: Any,
-    key: str,
-    timeout_s: float = 0.0,
-    descriptor: dict[str, Any] | None = None,
-) -> Any | None:
-    """Take the payload published under ``key`` on ``from_stage -> to_stage``.
-
-    Waits up to ``timeout_s`` seconds (0: a single attempt) and returns the
-    owned object, or ``None`` when nothing arrived in time. Exactly one
-    receiver gets a given publication.
-    """
-    deadline = time.monotonic() + max(timeout_s, 0.0)
-    r = conn.get_with_deadline(
-        from_stage, to_stage, key, descriptor=descriptor, deadline=deadline
-    )
-    return None if r is None else r[0]
