@@ -5,12 +5,13 @@ retain/release, per-block weight versions, aborts and failures, read back
 through the scheduler's read path from a real /dev/shm store."""
 
 import hashlib
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from vllm.distributed.artifact_connector import publisher
+from vllm.distributed.artifact_connector import publication, publisher
 from vllm.distributed.artifact_connector.buffer import RowSlab
 from vllm.distributed.artifact_connector.protocol import (
     Abort,
@@ -616,3 +617,88 @@ def test_weight_versions_remembered_are_bounded(h):
         h.pub.set_weight_version(f"v{i}")
     assert len(h.pub._versions_seen) == MAX_VERSIONS_SEEN
     assert h.pub._versions_seen[-1] == f"v{3 * MAX_VERSIONS_SEEN - 1}"
+
+
+class _MirroredWriter(ShmStoreWriter):
+    """A real store behind which a shared tier mirrors each put (r5 M2): the
+    mirrors of requests named in ``slow`` stay in flight until the test sets
+    their event (a slow master), the others have ended. Stands in for
+    ``SharedTierWriter.mirroring``, whose real tier ``test_shared_tier.py``
+    checks with a real master."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.slow: dict[str, threading.Event] = {}
+        self.owner_of: dict[str, str] = {}
+        self.asked: list[tuple[str, ...]] = []
+
+    def put_batch(self, keys, lengths, fill, *, owners=None):
+        for k, o in zip(keys, owners or [""] * len(keys)):
+            self.owner_of[k] = o.split("#")[0]
+        return super().put_batch(keys, lengths, fill, owners=owners)
+
+    def mirroring(self, keys):
+        self.asked.append(tuple(keys))
+        owners = {self.owner_of.get(k) for k in keys}
+        return [e for r, e in self.slow.items() if r in owners and not e.is_set()]
+
+
+def _finish(h, req, seed, n=6):
+    h.pub.apply(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart(req, 0, 0),),
+            hashes=(BlockHashes(req, 0, 0, (block_hash(req, 0),)),),
+            finalizes=(Finalize(req, 0, n, b"t"),),
+        )
+    )
+    h.pub.flush()
+    h.pub.write_step(h.pub.current_attempts([req]), [0], [n], routes(seed, n))
+    h.pub.flush()
+
+
+def _acks_within(h, n, timeout_s=10.0):
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        h.pub.wait_for_answers(0.05)
+        got += [a.req_id for a in h.pub.report().acks]
+    return got
+
+
+def test_a_slow_mirror_holds_its_own_acknowledgement_only(shm_root, monkeypatch):
+    """r5 M2: a request whose objects' mirror is still in flight has its
+    acknowledgement held (counted), while a later request's acknowledgement,
+    whose objects are not in flight, leaves at once: the publication thread
+    does not wait for the tier. A mirror that never ends releases its
+    acknowledgement at the budget (counted as late)."""
+    monkeypatch.setattr(publication, "MIRROR_SETTLE_S", 30.0, raising=False)
+    h = Harness(shm_root)
+    h.writer.close()
+    ns = make_namespace("mirrored")
+    h.writer = _MirroredWriter(shm_root, ns, capacity_bytes=8 << 20,
+                               arena_bytes=256 << 10)  # fmt: skip
+    h.pub.close()
+    h.pub = ArtifactPublisher(h.writer, SPEC, h.slab, KeySpace(ns))
+    h.reader.close()
+    h.reader = ShmStoreReader(shm_root, ns)
+    try:
+        h.writer.slow["slow"] = threading.Event()
+        _finish(h, "slow", 1)
+        _finish(h, "fast", 2)
+        assert _acks_within(h, 1) == ["fast"]  # not behind "slow"'s mirror
+        assert h.pub.metrics()["shared_settles"] == 1
+        h.writer.slow["slow"].set()  # its mirror ended
+        assert _acks_within(h, 1) == ["slow"]
+        m = h.pub.metrics()
+        assert m["shared_settles"] == 1 and m["shared_settles_late"] == 0
+        # A mirror that never ends: held for the budget only.
+        monkeypatch.setattr(publication, "MIRROR_SETTLE_S", 0.2)
+        h.writer.slow["stuck"] = threading.Event()
+        _finish(h, "stuck", 3)
+        assert _acks_within(h, 1) == ["stuck"]
+        m = h.pub.metrics()
+        assert m["shared_settles"] == 2 and m["shared_settles_late"] == 1
+        # What the acknowledgements waited on: their own keys only.
+        assert all(len(keys) == 2 for keys in h.writer.asked)
+    finally:
+        h.close()

@@ -407,3 +407,40 @@ def test_terms_that_disagree_after_a_master_restart_stop_sharing(master, shm_roo
     finally:
         w.close()
         mc.release(other)
+
+
+def test_an_acknowledgement_waits_for_its_own_mirrors_only(engines, master, shm_root):
+    """r5 M2: with the master frozen, mirrors stay in flight; what an
+    acknowledgement naming some keys waits for is the mirror holding those
+    keys, not the mirrors queued before it; keys with no mirror in flight
+    (and every key of an engine no other engine is sent to, a
+    ``kv_consumer``) wait for nothing. Once the master answers, nothing is
+    left to wait for."""
+    a, _ = engines
+    cfg = _cfg(master)
+    consumer = SharedTierWriter(
+        ShmStoreWriter(shm_root, uuid.uuid4().hex),
+        cfg,
+        max_object_nbytes=LARGEST,
+        client=mc.acquire(cfg, segment_bytes=24 << 20),
+        settles=False,
+    )
+    try:
+        put(a, [(key(0), payload(0, 3000))])
+        assert mirrored(a, 1) == (1, 0)
+        assert a.mirroring([key(0)]) == []  # mirrored: nothing to wait for
+        master.freeze(resume_after_s=60.0)
+        put(a, [(key(1), payload(1, 3000))])
+        put(a, [(key(2), payload(2, 3000)), (key(3), payload(3, 3000))])
+        first, second = a.mirroring([key(1)]), a.mirroring([key(2), key(3)])
+        assert len(first) == 1 and len(second) == 1 and first[0] is not second[0]
+        assert not first[0].is_set() and not second[0].is_set()
+        assert a.mirroring([key(0), key(9)]) == []
+        put(consumer, [(key(4), payload(4, 3000))])
+        assert consumer.mirroring([key(4)]) == []
+        master.thaw()
+        assert first[0].wait(60) and second[0].wait(60)
+        assert a.mirroring([key(1), key(2), key(3)]) == []
+    finally:
+        master.thaw()
+        consumer.close()

@@ -54,6 +54,8 @@ STORE_COUNTERS = (
     "shared_pulls",
     "shared_failures",
     "shared_rejected",
+    "shared_settles",
+    "shared_settles_late",
 )
 # Routes handed out by reference (``RouteRefs.counters``, engine core).
 REF_GAUGES = ("waiting_bytes",)
@@ -316,6 +318,19 @@ class ArtifactProm:
                 "Objects read from the Mooncake Store that failed their "
                 "authentication (the key space's shared secret) or checks, "
                 "treated as missing (the blocks are recomputed).",
+            ),
+            "shared_settles": counter(
+                p + "store_shared_settles",
+                "Acknowledgements of finished requests held until the mirror "
+                "of their objects into the Mooncake Store ended (engines whose "
+                "answers send other engines to those objects), at most 0.25 s "
+                "each; other requests never wait for them.",
+            ),
+            "shared_settles_late": counter(
+                p + "store_shared_settles_late",
+                "Of those, the ones that left after 0.25 s with the mirror "
+                "still in flight (a slow or frozen master: the engine they "
+                "send to the objects may recompute instead).",
             ),
         }
         self.ref_gauges = {

@@ -18,6 +18,13 @@ nothing is retained for them afterwards and none of their later work runs.
 Pulls from a shared tier (:class:`~.protocol.PullRoutes`) start with the
 step's work and run on the tier's own thread; when one ends, that thread
 wakes this one, which puts what it fetched into the store and reports it.
+An acknowledgement that names objects whose mirror into a shared tier is
+still in flight (``ObjectStoreWriter.mirroring``: only on engines whose
+answers send another engine to them) is held, not the thread: it leaves
+when those mirrors end, or after :data:`MIRROR_SETTLE_S`, while the thread
+goes on with later work; a slow tier delays the acknowledgements of the
+requests whose objects it holds, nothing else (``settles``, ``settles_late``
+count them).
 Whenever the queue is empty (after an item, and every ``idle_upkeep_s`` with
 nothing to do) the thread runs the store's upkeep: it prepares the next arena
 ahead of need, compacts the log, and collects stale stores when due.
@@ -34,6 +41,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -64,6 +72,13 @@ from vllm.logger import init_logger
 from vllm.utils.routed_experts_rows import RowSpec
 
 logger = init_logger(__name__)
+
+#: The longest an acknowledgement is held for its objects' mirror into a
+#: shared tier (a healthy master takes milliseconds); a held one does not
+#: hold the thread.
+MIRROR_SETTLE_S = 0.25
+#: How often the thread looks at held acknowledgements while some wait.
+HELD_POLL_S = 0.002
 
 
 class WeightVersionMismatchError(ArtifactError):
@@ -135,6 +150,15 @@ class WorkItem:
         )
 
 
+@dataclass
+class _Held:
+    """An acknowledgement waiting for its objects' mirrors."""
+
+    ack: FinalizeAck
+    waits: list[threading.Event]
+    deadline: float  # time.monotonic()
+
+
 class _Pulled:
     """Put on the publication thread's queue when a pull ended."""
 
@@ -184,6 +208,11 @@ class PublicationThread:
         # Work items done (one writer, this thread; the engine side reads it
         # without a lock for the metrics' queue depth).
         self.items_done = 0
+        # Acknowledgements held for their mirrors (this thread only), and
+        # how many were (settles), and of those how many left at the budget.
+        self._held: list[_Held] = []
+        self.settles = 0
+        self.settles_late = 0
         self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(
@@ -257,14 +286,21 @@ class PublicationThread:
         q = self._queue
         try:
             while True:
+                if self._held:
+                    self._release_held()
                 try:
-                    item = q.get(timeout=self._idle_upkeep_s)
+                    item = q.get(
+                        timeout=HELD_POLL_S if self._held else self._idle_upkeep_s
+                    )
                 except queue.Empty:
-                    self._upkeep()
+                    if not self._held:
+                        self._upkeep()
                     continue
                 if item is None:
+                    self._release_held(wait=True)
                     return
                 if isinstance(item, threading.Event):
+                    self._release_held(wait=True)  # "done" includes them
                     item.set()
                     continue
                 if isinstance(item, _Pulled):
@@ -318,19 +354,47 @@ class PublicationThread:
             self.slab.free_later([o.page for o in work.objects if o.att.failed])
         if objects:
             self._publish(objects)
-        if work.finalizes:  # the next engine may ask for them at once
-            self._writer.settle()
         for att, fin in work.finalizes:
             if not att.failed:
                 try:
-                    self.post(self._acknowledge(att, fin))
+                    ack = self._acknowledge(att, fin)
                 except ArtifactError as e:
                     self._fail_in_thread([att], e)
-            with self._results_cv:
-                self.finalizes_answered += 1
-                self._results_cv.notify_all()
+                else:
+                    # The engine it sends to these objects may ask at once.
+                    waits = self._writer.mirroring(ack.refs.keys)
+                    if waits:
+                        self.settles += 1
+                        deadline = time.monotonic() + MIRROR_SETTLE_S
+                        self._held.append(_Held(ack, waits, deadline))
+                        continue
+                    self.post(ack)
+            self._answered()
         for aid in work.releases:
             self._writer.release(_owner(aid))
+
+    def _answered(self) -> None:
+        with self._results_cv:
+            self.finalizes_answered += 1
+            self._results_cv.notify_all()
+
+    def _release_held(self, *, wait: bool = False) -> None:
+        """Post the held acknowledgements whose mirrors ended or whose
+        budget is spent (``wait``: all of them, waiting out their budgets)."""
+        still: list[_Held] = []
+        for held in self._held:
+            if wait:
+                for e in held.waits:
+                    e.wait(max(0.0, held.deadline - time.monotonic()))
+            done = all(e.is_set() for e in held.waits)
+            if not (done or wait or time.monotonic() >= held.deadline):
+                still.append(held)
+                continue
+            if not done:
+                self.settles_late += 1
+            self.post(held.ack)
+            self._answered()
+        self._held = still
 
     def _publish(self, objects: list[PublishObject]) -> None:
         # Full blocks first: encode_objects copies and envelopes them as one

@@ -524,6 +524,8 @@ class ArtifactPublisher:
             "shared_pulls": s.shared_pulls,
             "shared_failures": s.shared_failures,
             "shared_rejected": s.shared_rejected,
+            "shared_settles": self._publication.settles,
+            "shared_settles_late": self._publication.settles_late,
         }
 
     def wait_idle(self, timeout_s: float | None = None) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -236,10 +237,12 @@ class ObjectStoreWriter(ABC):
     def maintain(self) -> None:  # noqa: B027 - optional hook
         """Slow upkeep, for the owner's idle moments (default: none)."""
 
-    def settle(self) -> None:  # noqa: B027 - optional hook
-        """Wait, briefly and boundedly, until what was put is visible to
-        other engines too (before a request's acknowledgement); default:
-        at once, as :meth:`put_batch` makes it visible."""
+    def mirroring(self, keys: Sequence[str]) -> list[threading.Event]:
+        """Events to wait for, briefly and boundedly, before an
+        acknowledgement naming ``keys`` leaves (set once they are visible
+        to the other engines it may send to them); default: none, as
+        :meth:`put_batch` makes them visible."""
+        return []
 
     def pull(self, tag: str, keys: Sequence[str], wake: Callable[[], None]) -> bool:
         """Start copying into this store those of ``keys`` it lacks that a

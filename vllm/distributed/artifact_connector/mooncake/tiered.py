@@ -76,11 +76,10 @@ TERMS_INTERVAL_S = 5.0
 # After the shared tier refused or failed writes (full, its master restarting
 # or down), how long mirrors are skipped.
 MIRROR_BACKOFF_S = 5.0
-# How long a finishing request's acknowledgement waits for its objects'
-# mirror (a prefill engine's answer sends the decode engine to them): a
-# healthy master takes milliseconds; a stalled one costs the publication
-# thread this once, then the breaker skips mirrors (no wait).
-MIRROR_SETTLE_S = 0.25
+# KV roles whose finished requests send other engines to their objects (a
+# prefill engine's answer sends the decode engine; a shared pool's next
+# reader may come at once): only their acknowledgements wait for mirrors.
+SETTLING_KV_ROLES = ("kv_producer", "kv_both")
 
 
 class SharedTierWriter(ObjectStoreWriter):
@@ -94,8 +93,12 @@ class SharedTierWriter(ObjectStoreWriter):
         max_object_nbytes: int,
         client: Any,
         rejoin: Any = None,
+        settles: bool = True,
     ) -> None:
         self._local = local
+        # Whether acknowledgements wait for their objects' mirrors (see
+        # mirroring()); not for an engine no other engine is sent to.
+        self._settles = settles
         self._client = client  # this engine's; released by its thread
         self._master = master = str(cfg.mooncake_master)
         # The client's calls run on its own thread, which closes it.
@@ -131,8 +134,9 @@ class SharedTierWriter(ObjectStoreWriter):
         self._next_terms = time.monotonic() + TERMS_INTERVAL_S
         self._last_warning = 0.0
         self._mirror_after = 0.0
-        self._mirrored = threading.Event()  # the last mirror ended
-        self._mirrored.set()
+        # Key -> the event its mirror sets when it ends (guarded by _lock;
+        # only while the mirror is posted and not ended).
+        self._in_flight: dict[str, threading.Event] = {}
         # (tag, objects, bytes) the client's thread fetched for pull().
         self._fetched: list[tuple[str, list[ObjectRef], Any]] = []
 
@@ -143,6 +147,8 @@ class SharedTierWriter(ObjectStoreWriter):
         """Join the Mooncake Store and the key space of ``vllm_config``'s
         artifact config; closes ``local`` on failure."""
         cfg = vllm_config.artifact_config
+        kv = vllm_config.kv_transfer_config
+        settles = kv is not None and kv.kv_role in SETTLING_KV_ROLES
         client = None
         try:
             client = mc.acquire(cfg)
@@ -160,6 +166,7 @@ class SharedTierWriter(ObjectStoreWriter):
             max_object_nbytes=max_object_nbytes(vllm_config),
             rejoin=lambda: agree(client, master, space, terms),
             client=client,
+            settles=settles,
         )
 
     # ------------------------------------------------------------ writes
@@ -197,28 +204,48 @@ class SharedTierWriter(ObjectStoreWriter):
 
     def _mirror(self, keys, refs, data, offsets) -> None:
         done = threading.Event()
+        if self._settles:  # registered first: the mirror may end at once
+            with self._lock:
+                for k in keys:
+                    self._in_flight[k] = done
         posted = (
             not self._sharing_stopped and time.monotonic() >= self._mirror_after
         ) and self._remote.post(
             lambda: self._mirror_now(keys, refs, data, offsets, done)
         )
-        if not posted:  # the tier is down: waiting for earlier ones is moot
-            done.set()
+        if not posted:  # the tier is down: nobody will find them there
+            self._landed(keys, done)
             self._count(0, len(keys))
-        self._mirrored = done  # posts run in order: it ends after the rest
 
-    def settle(self) -> None:
-        """Wait up to :data:`MIRROR_SETTLE_S` for the mirrors posted so far."""
-        self._mirrored.wait(MIRROR_SETTLE_S)
+    def mirroring(self, keys: Sequence[str]) -> list[threading.Event]:
+        """The events of the mirrors in flight that hold any of ``keys``
+        (each set when its mirror ends): what an acknowledgement naming
+        ``keys`` waits for, so that the engine it sends to them finds them.
+        Empty on an engine no other engine is sent to, and for keys whose
+        mirror ended, failed or was skipped; never another request's."""
+        if not self._settles:
+            return []
+        with self._lock:
+            events = {id(e): e for k in keys if (e := self._in_flight.get(k))}
+        return [e for e in events.values() if not e.is_set()]
+
+    def _landed(self, keys, done: threading.Event) -> None:
+        done.set()
+        if self._settles:
+            with self._lock:
+                for k in keys:
+                    if self._in_flight.get(k) is done:
+                        del self._in_flight[k]
 
     def _mirror_now(self, keys, refs, data, offsets, done) -> None:
         """On the client's thread."""
         try:
             failed = self._shared.put(keys, refs, data, offsets)
         except ArtifactError as e:
-            self._mirror_failed(len(keys), e, done)
+            self._mirror_failed(len(keys), e)
             return
-        done.set()
+        finally:  # whatever happened, nobody waits for it any longer
+            self._landed(keys, done)
         if failed:
             self._warn(
                 f"the Mooncake Store refused {failed} of {len(keys)} writes "
@@ -227,8 +254,7 @@ class SharedTierWriter(ObjectStoreWriter):
             self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
         self._count(len(keys) - failed, failed)
 
-    def _mirror_failed(self, n: int, error: ArtifactError, done) -> None:
-        done.set()
+    def _mirror_failed(self, n: int, error: ArtifactError) -> None:
         self._warn(f"mirroring {n} objects failed: {error}")
         self._mirror_after = time.monotonic() + MIRROR_BACKOFF_S
         self._count(0, n)
