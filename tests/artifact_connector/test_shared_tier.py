@@ -16,6 +16,8 @@ resumes; and the key space's terms are recorded once and enforced."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import signal
 import threading
@@ -32,6 +34,7 @@ from vllm.distributed.artifact_connector.mooncake.key_space import (
     KeySpaceMismatchError,
     KeySpaceTerms,
     agree,
+    record,
     terms_key,
 )
 from vllm.distributed.artifact_connector.mooncake.objects import (
@@ -348,13 +351,13 @@ def test_key_space_terms_are_recorded_once_and_enforced(master):
     client = mc.acquire(cfg, segment_bytes=32 << 20)
     other = mc.acquire(cfg, segment_bytes=16 << 20)
     try:
-        agree(client, master.address, "ks", terms)  # records
-        agree(other, master.address, "ks", terms)  # agrees
+        agree(client, master.address, "ks", terms, SECRET)  # records
+        agree(other, master.address, "ks", terms, SECRET)  # agrees
         elsewhere = KeySpaceTerms("x", "xxhash", "11", 16, "r", "5e")
-        agree(other, master.address, "ks2", elsewhere)
+        agree(other, master.address, "ks2", elsewhere, SECRET)
         wrong = KeySpaceTerms("m", "sha256", "ff" * 32, 64, "2x2 uint8", "0f")
         with pytest.raises(KeySpaceMismatchError) as exc:
-            agree(other, master.address, "ks", wrong)
+            agree(other, master.address, "ks", wrong, SECRET)
         msg = str(exc.value)
         assert "none_hash" in msg and "PYTHONHASHSEED" in msg
         assert "block_size: this engine 64, the key space 32" in msg
@@ -380,7 +383,7 @@ def test_terms_that_disagree_after_a_master_restart_stop_sharing(master, shm_roo
         cfg,
         max_object_nbytes=LARGEST,
         client=client,
-        rejoin=lambda: agree(client, master.address, "restart", mine),
+        rejoin=lambda: agree(client, master.address, "restart", mine, SECRET),
     )
 
     def check_terms() -> None:
@@ -388,7 +391,7 @@ def test_terms_that_disagree_after_a_master_restart_stop_sharing(master, shm_roo
         w.maintain()
 
     try:
-        agree(other, master.address, "restart", theirs)  # recorded first
+        agree(other, master.address, "restart", theirs, SECRET)  # recorded first
         deadline = time.monotonic() + 30
         while pull(w, [key(50)]):  # a pull that runs: still sharing
             assert time.monotonic() < deadline, "sharing never stopped"
@@ -398,7 +401,9 @@ def test_terms_that_disagree_after_a_master_restart_stop_sharing(master, shm_roo
         put(w, [(key(51), payload(51, 100))])
         assert w.stats().shared_failures == failures + 1  # not mirrored
         # The terms agree again (here: the conflicting record goes).
-        assert other.remove(terms_key("restart"), True) == 0  # forced: read leases
+        assert (
+            other.remove(terms_key("restart", SECRET), True) == 0
+        )  # forced: read leases
         deadline = time.monotonic() + 30
         while not pull(w, [key(52)]):
             assert time.monotonic() < deadline, "sharing never resumed"
@@ -444,3 +449,34 @@ def test_an_acknowledgement_waits_for_its_own_mirrors_only(engines, master, shm_
     finally:
         master.thaw()
         consumer.close()
+
+
+def test_planted_terms_are_replaced_and_the_engine_joins(master):
+    """r5 M3: someone who reaches the master (without the secret) writes a
+    terms record for the key space before the first engine: at the name
+    the old code used (public), and, stronger, at the engine's own name (as
+    if it leaked). The engine treats the unauthenticated record as absent:
+    it joins, and the record is its own, authenticated."""
+    cfg = _cfg(master)
+    mine = KeySpaceTerms("Qwen/Qwen3-30B-A3B", "sha256", "ab" * 32, 16,
+                         "48x8 uint8", "5e")  # fmt: skip
+    raw = _raw(master)
+    engine = mc.acquire(cfg, segment_bytes=32 << 20)
+    try:
+        planted = b'{"model": "attacker"}'
+        public = "vllm-artifact-key-space/" + hashlib.sha256(b"rollout-7").hexdigest()
+        assert raw.put(public, planted) == 0
+        assert raw.put(terms_key("rollout-7", SECRET), b"\0" * 32 + planted) == 0
+        agree(engine, master.address, "rollout-7", mine, SECRET)  # joins
+        assert raw.get(terms_key("rollout-7", SECRET)) == record(
+            "rollout-7", mine, SECRET
+        )
+        # Another engine of the same secret agrees with what was recorded.
+        agree(engine, master.address, "rollout-7", mine, SECRET)
+        # A genuine difference is still a mismatch, named as one.
+        other = dataclasses.replace(mine, block_size=32)
+        with pytest.raises(KeySpaceMismatchError, match="block_size"):
+            agree(engine, master.address, "rollout-7", other, SECRET)
+    finally:
+        mc.release(engine)
+        raw.close()

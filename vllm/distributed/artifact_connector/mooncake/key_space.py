@@ -10,12 +10,21 @@ chain, fingerprints both), the same block size and the same row format.
 The terms also fingerprint the deployment secret (:func:`secret_id`).
 The first engine of a key space records its :class:`KeySpaceTerms` in the
 Mooncake Store (hard-pinned, so never evicted); every later one compares
-and refuses to start on a difference, naming it."""
+and refuses to start on a difference, naming it.
+
+The record is authenticated under the deployment secret (a MAC over the
+key space's name and the terms), and its name is a keyed hash of the key
+space under the secret: someone who reaches the master but lacks the
+secret can neither plant it ahead of the engines nor alter it. A record
+that fails authentication is treated as absent: removed and replaced, with
+a warning. (Engines given different secrets therefore record separate
+terms; their objects fail each other's MACs, counted as rejected.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -26,11 +35,15 @@ from vllm.distributed.artifact_connector.mooncake.client import (
     MooncakeUnavailableError,
 )
 from vllm.distributed.artifact_connector.store import ArtifactError
+from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+logger = init_logger(__name__)
+
 _TERMS_NBYTES = 4096
+_MAC_NBYTES = 32  # the record: MAC, then the terms' JSON
 _FIXES = {
     "model": "serve the same model on every engine (--served-model-name gives "
     "one name to one model under different paths)",
@@ -54,6 +67,23 @@ def secret_id(secret: bytes) -> str:
 
 class KeySpaceMismatchError(ArtifactError, ValueError):
     """This engine does not hash blocks like the key space's other engines."""
+
+
+class KeySpaceAuthenticationError(ArtifactError):
+    """The key space's terms record fails authentication under this
+    engine's secret and could not be replaced."""
+
+
+def _terms_mac_key(secret: bytes) -> bytes:
+    return hashlib.blake2b(secret, digest_size=32, person=b"vllm-r3-terms").digest()
+
+
+def _terms_mac(secret: bytes, key_space: str, encoded: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_MAC_NBYTES, key=_terms_mac_key(secret))
+    h.update(key_space.encode())
+    h.update(b"\0")
+    h.update(encoded)
+    return h.digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,34 +131,74 @@ def max_object_nbytes(vllm_config: VllmConfig) -> int:
     return vllm_config.cache_config.block_size * spec.row_nbytes + ENVELOPE_NBYTES
 
 
-def terms_key(key_space: str) -> str:
-    return "vllm-artifact-key-space/" + hashlib.sha256(key_space.encode()).hexdigest()
+def terms_key(key_space: str, secret: bytes) -> str:
+    """The record's name: a keyed hash of the key space under the secret
+    (nobody without the secret can name it ahead of the engines)."""
+    h = hashlib.blake2b(key_space.encode(), digest_size=32, key=_terms_mac_key(secret))
+    return "vllm-artifact-key-space/" + h.hexdigest()
 
 
-def agree(client: Any, master: str, key_space: str, terms: KeySpaceTerms) -> None:
+def record(key_space: str, terms: KeySpaceTerms, secret: bytes) -> bytes:
+    """The authenticated record of ``terms``: MAC, then the JSON."""
+    encoded = terms.encode()
+    return _terms_mac(secret, key_space, encoded) + encoded
+
+
+def agree(
+    client: Any, master: str, key_space: str, terms: KeySpaceTerms, secret: bytes
+) -> None:
     """Record ``terms`` as the key space's, or check them against the ones
     recorded; raises :class:`KeySpaceMismatchError` naming each difference
-    and its fix."""
+    and its fix. A recorded record that fails authentication under
+    ``secret`` is removed and replaced (:class:`KeySpaceAuthenticationError`
+    when that does not stick)."""
     from mooncake.store import ReplicateConfig
 
-    key = terms_key(key_space)
+    key = terms_key(key_space, secret)
     buf = np.zeros(_TERMS_NBYTES, np.uint8)
     ptr = buf.ctypes.data
     if client.register_buffer(ptr, buf.nbytes) != 0:
         raise MooncakeUnavailableError("Mooncake refused to register a buffer")
+    forged = 0
     try:
-        for _ in range(2):
+        for _ in range(3):
             (rc,) = client.batch_get_into([key], [ptr], [buf.nbytes])
             if rc >= 0:
-                return _compare(key_space, terms, bytes(buf[:rc]))
-            if rc != OBJECT_NOT_FOUND:
+                got = bytes(buf[:rc])
+                mac, encoded = got[:_MAC_NBYTES], got[_MAC_NBYTES:]
+                if rc > _MAC_NBYTES and hmac.compare_digest(
+                    mac, _terms_mac(secret, key_space, encoded)
+                ):
+                    return _compare(key_space, terms, encoded)
+                # Not written by an engine of this secret: absent. Forced:
+                # it is hard-pinned, and readers' leases must not keep it.
+                forged += 1
+                logger.warning(
+                    "the terms record of artifact key space %r in the Mooncake "
+                    "Store of master %s failed authentication (not written "
+                    "under this deployment secret: planted or altered by "
+                    "someone who reaches the master); it is removed and "
+                    "replaced",
+                    key_space,
+                    master,
+                )
+                client.remove(key, True)
+            elif rc != OBJECT_NOT_FOUND:
                 break
-            mine = terms.encode()
+            mine = record(key_space, terms, secret)
             buf[: len(mine)] = np.frombuffer(mine, np.uint8)
             pin = ReplicateConfig()
             pin.with_hard_pin = True
             # Two first engines may race: each reads back what stayed.
             client.batch_put_from([key], [ptr], [len(mine)], pin)
+        if forged:
+            raise KeySpaceAuthenticationError(
+                f"the terms record of artifact key space {key_space!r} in the "
+                f"Mooncake Store of master {master} failed authentication "
+                f"{forged} times and could not be replaced: someone who "
+                "reaches the master keeps writing it; restrict the master's "
+                "network"
+            )
         raise MooncakeUnavailableError(
             f"cannot record the terms of key space {key_space!r} in the Mooncake "
             f"Store of master {master} (rc {rc}); is mooncake_master running? "
@@ -142,6 +212,8 @@ def agree(client: Any, master: str, key_space: str, terms: KeySpaceTerms) -> Non
 
 
 def _compare(key_space: str, terms: KeySpaceTerms, recorded: bytes) -> None:
+    """``recorded``: authenticated terms (written by an engine of the same
+    secret), so a difference is a real mismatch."""
     try:
         theirs = json.loads(recorded)
     except ValueError:

@@ -154,7 +154,8 @@ class SharedTierWriter(ObjectStoreWriter):
             client = mc.acquire(cfg)
             terms = KeySpaceTerms.of(vllm_config)
             master, space = str(cfg.mooncake_master), str(cfg.key_space)
-            agree(client, master, space, terms)
+            secret = shared_secret(cfg)
+            agree(client, master, space, terms, secret)
         except BaseException:
             if client is not None:
                 mc.release(client)
@@ -164,7 +165,7 @@ class SharedTierWriter(ObjectStoreWriter):
             local,
             cfg,
             max_object_nbytes=max_object_nbytes(vllm_config),
-            rejoin=lambda: agree(client, master, space, terms),
+            rejoin=lambda: agree(client, master, space, terms, secret),
             client=client,
             settles=settles,
         )
