@@ -537,3 +537,52 @@ def test_a_killed_engine_core_while_a_trainer_holds_the_scope(tiny_moe, tmp_path
         # The killed engine's artifact store (its writer died with it).
         shutil.rmtree(root, ignore_errors=True)
     assert not os.path.exists(path)
+
+
+def _fetch_in_another_pid_namespace(refs: list[dict]) -> list[dict]:
+    """Fetch ``refs`` from a process in a new PID namespace (a trainer in
+    another container sharing ``/dev/shm``): one result per reference."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    argv = [
+        "unshare", "--pid", "--fork", "--mount-proc",
+        sys.executable, "-m", "tests.host_transport.pidns_peer", "fetch",
+        json.dumps(refs),
+    ]  # fmt: skip
+    r = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_a_trainer_in_another_pid_namespace_fetches_and_removes_nothing_else(
+    tiny_moe, consumer
+):
+    """r5 H1 from outside: under ``vllm serve``, a consumer in another PID
+    namespace fetches its references, and every other reference still
+    fetches, exact, from the server's own namespace afterwards."""
+    r = __import__("subprocess").run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True
+    )
+    if os.geteuid() != 0 or r.returncode:
+        pytest.skip("a new PID namespace needs root and unshare(1)")
+    scope = f"r3ref-pidns-{uuid.uuid4().hex[:12]}"
+    root = shm_root()
+    flags = serve_flags(root, routed_experts_format="ref", ref_scope=scope)
+    with r3_server(tiny_moe, flags, root, "test-r3-ref-pidns.log") as srv:
+        prompts = [p + tail for tail in ("", " Once more.") for p in PROMPTS[:4]]
+        choices = [_completion(srv, p)["choices"][0] for p in prompts]
+        refs = [c["routed_experts_ref"] for c in choices]
+        foreign = _fetch_in_another_pid_namespace(refs[:2])
+        assert [f["error"] for f in foreign] == ["", ""]
+        assert all(f["ok"] for f in foreign)
+        for c in choices[2:]:
+            _assert_ref_exact(
+                consumer, tiny_moe, c["routed_experts_ref"], c["prompt_token_ids"],
+                c["token_ids"],
+            )  # fmt: skip
+    _assert_no_payloads_left(scope)
