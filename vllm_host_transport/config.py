@@ -77,6 +77,13 @@ class HostTransportConfig:
     per-key segments (still deliverable) to make room: one frame nobody claims
     (a crashed consumer, a key nobody asks for) cannot wedge the ring."""
 
+    foreign_producer_ttl_s: float = 3600.0
+    """A producer of another PID namespace (another container sharing
+    ``/dev/shm``) cannot be checked from here; what it left is removed
+    once its registration has not been refreshed for this long (a producer
+    refreshes it at most once a minute while it puts, or when
+    ``taken()``/``remove_dead()`` is called). At least 300."""
+
     allowed_struct_types: tuple[Any, ...] = ()
     """``msgspec.Struct`` classes this connector may rebuild from a received
     frame. A frame naming any other struct type is refused (``None`` plus
@@ -100,6 +107,8 @@ class HostTransportConfig:
             raise ValueError("large_leaf_bytes must be positive")
         if not (self.ring_wait_s >= 0 and self.ring_spill_age_s >= 0):
             raise ValueError("ring_wait_s and ring_spill_age_s must be >= 0")
+        if not self.foreign_producer_ttl_s >= 300:
+            raise ValueError("foreign_producer_ttl_s must be at least 300")
         if not isinstance(self.allowed_struct_types, tuple) or not all(
             isinstance(c, type) and issubclass(c, msgspec.Struct)
             for c in self.allowed_struct_types

@@ -205,7 +205,9 @@ class HostTransportConnector:
         the last call (or that are gone otherwise); they are not tracked any
         more. Costs a look at each tracked payload (and one listing of the
         scope when some are per-key): call it now and then, not per put."""
-        return self._send_side().taken()
+        sender = self._send_side()
+        sender.heartbeat()
+        return sender.taken()
 
     def remove_dead(self) -> int:
         """Remove what producers of the scope that died since the last look
@@ -216,6 +218,8 @@ class HostTransportConnector:
         shared = self._shared
         if shared is None or shared.owner_pid != os.getpid():
             return 0  # a forked child touches nothing of its parent's
+        if self._sender is not None:
+            self._sender.heartbeat()
         return shared.liveness.check()
 
     def get(

@@ -17,8 +17,10 @@ when the owner asks (:meth:`HostTransportConnector.remove_dead`).
 
 Only producers that this process can check are judged: those of its own
 PID namespace and boot (see :meth:`.discovery.ProducerId.judge`). A producer
-of another PID namespace (another container sharing ``/dev/shm``) is never
-swept from here; a producer of another boot is gone.
+of another PID namespace (another container sharing ``/dev/shm``) is swept
+from here only once its registration is older than the TTL
+(``HostTransportConfig.foreign_producer_ttl_s``; a running producer
+refreshes it); a producer of another boot is gone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import os
 import re
 import threading
+import time
 
 from vllm_host_transport import perkey
 from vllm_host_transport.discovery import (
@@ -72,15 +75,24 @@ class Liveness:
     of what the dead ones left. Thread-safe; never waits on another thread
     or process (a busy lock skips, the next look retries)."""
 
-    def __init__(self, scope: ScopeDir, own: ProducerId, stats: dict[str, int]) -> None:
+    def __init__(
+        self,
+        scope: ScopeDir,
+        own: ProducerId,
+        stats: dict[str, int],
+        foreign_ttl_s: float = 3600.0,
+    ) -> None:
         self._scope: ScopeDir | None = scope
         self._own = own
         self._stats = stats
         self._lock = threading.Lock()
         self._seen_stamp = -1
         self._watches: dict[ProducerId, ProcessWatch] = {}
-        # Producers this process cannot check (another PID namespace).
+        # Producers this process cannot check (another PID namespace), and
+        # when their registrations' age is looked at next.
         self._unknowable: set[ProducerId] = set()
+        self._foreign_ttl_s = foreign_ttl_s
+        self._next_age_look = 0.0
 
     def check(self) -> int:
         """Remove what producers that died since the last look left; returns
@@ -99,6 +111,8 @@ class Liveness:
                 self._refresh(scope)
                 self._seen_stamp = stamp
             dead = {p for p, w in self._watches.items() if not w.alive()}
+            if self._unknowable and time.monotonic() >= self._next_age_look:
+                dead |= self._expired_foreign(scope)
             if dead:
                 self._sweep(scope, dead)
             return len(dead)
@@ -119,6 +133,25 @@ class Liveness:
                 self._unknowable.add(p)
             else:
                 self._watches[p] = watch
+
+    def _expired_foreign(self, scope: ScopeDir) -> set[ProducerId]:
+        """Producers of another PID namespace whose registration has not
+        been refreshed for the TTL (at most one look a tenth of the TTL)."""
+        self._next_age_look = time.monotonic() + self._foreign_ttl_s / 10
+        oldest = time.time() - self._foreign_ttl_s
+        expired = set()
+        for name in os.listdir(scope.fd):
+            p = _producer(name)
+            if p not in self._unknowable or not name.startswith("member-"):
+                continue
+            try:
+                st = os.stat(name, dir_fd=scope.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if st.st_mtime < oldest:
+                expired.add(p)
+        self._unknowable -= expired
+        return expired
 
     def _sweep(self, scope: ScopeDir, dead: set[ProducerId]) -> None:
         fd = scope.fd
@@ -146,7 +179,9 @@ class Liveness:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=fd)
         for p in dead:
-            self._watches.pop(p).close()
+            watch = self._watches.pop(p, None)
+            if watch is not None:
+                watch.close()
         # Receivers with a dead ring mapped drop it at their next discovery.
         with contextlib.suppress(OSError, HostTransportError):
             scope.advance_stamp(wait=False)

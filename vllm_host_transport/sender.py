@@ -35,6 +35,10 @@ from vllm_host_transport.shared import seg_name as _seg_name
 
 # A child of vLLM's "vllm" logger (a name only: nothing is imported), so in a
 # vLLM process these lines go where vLLM's own go.
+#: How often a producer refreshes its registration's mtime at most (see
+#: ``Sender._heartbeat``).
+HEARTBEAT_S = 60.0
+
 # A put that failed for want of room in the file system.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -90,6 +94,7 @@ class Sender:
         # Registration in the scope (see .liveness), made before the first
         # payload.
         self._member: str | None = None
+        self._heartbeat_at = 0.0
         self._codec = FrameCodec(config.max_payload_bytes, config.large_leaf_bytes)
         self._ring_enabled = config.ring_enabled and ringmod.FENCE_AVAILABLE
         self._ring_wait_s = config.ring_wait_s
@@ -138,6 +143,8 @@ class Sender:
             raise TypeError("key must be a str")
         if self._member is None:
             self._register(scope)
+        elif time.monotonic() - self._heartbeat_at >= HEARTBEAT_S:
+            self._heartbeat(scope)
         edge_key = (from_stage, to_stage)
         edge = self._edges.get(edge_key)
         if edge is None:
@@ -236,10 +243,36 @@ class Sender:
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         os.close(os.open(name, flags, 0o600, dir_fd=scope.fd))
         self._member = name
+        self._heartbeat_at = time.monotonic()
         # Receivers re-list the scope's producers; if the stamp cannot move
         # now, they find this one at its next move.
         with contextlib.suppress(OSError, HostTransportError):
             scope.advance_stamp()
+
+    def _heartbeat(self, scope: ScopeDir) -> None:
+        """Refresh the registration's mtime: how a process of another PID
+        namespace, which cannot check this one, tells it still runs (see
+        ``HostTransportConfig.foreign_producer_ttl_s``)."""
+        self._heartbeat_at = time.monotonic()
+        if self._member is not None:
+            try:
+                os.utime(self._member, dir_fd=scope.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                # Taken for gone by a process that could not check (idle
+                # past its TTL): registered again, so it is seen to run.
+                with contextlib.suppress(OSError):
+                    self._register(scope)
+            except OSError:
+                pass
+
+    def heartbeat(self) -> None:
+        """Refresh the registration if the last refresh is a minute old."""
+        if time.monotonic() - self._heartbeat_at < HEARTBEAT_S:
+            return
+        with self._lock:
+            scope = self._shared.scope
+            if scope is not None and os.getpid() == self._shared.owner_pid:
+                self._heartbeat(scope)
 
     def _write_segment(
         self,

@@ -68,7 +68,7 @@ class Shared:
         self.owner_pid = os.getpid()  # owns the rings and the membership
         self.ident = ident  # this process's identity
         self.stats = stats
-        self.liveness = Liveness(scope, ident, stats)
+        self.liveness = Liveness(scope, ident, stats, config.foreign_producer_ttl_s)
         self.closed = False
 
     def check_open(self) -> ScopeDir:

@@ -122,3 +122,57 @@ def test_a_join_sweeps_dead_producers_of_its_namespace_only(make_conn) -> None: 
     assert names[0] not in left
     assert names[1] in left
     assert names[2] not in left
+
+
+def test_a_foreign_producer_is_swept_only_past_its_ttl(make_conn) -> None:  # noqa: ANN001
+    """A producer of another PID namespace cannot be checked: what it left
+    goes once its registration is older than ``foreign_producer_ttl_s``
+    (a running producer refreshes it), and not before."""
+    import time
+
+    from vllm_host_transport import perkey
+    from vllm_host_transport.discovery import self_identity
+    from vllm_host_transport.frame import RawFrame
+    from vllm_host_transport.liveness import member_name
+
+    first = make_conn()
+    fd = first._shared.scope.fd
+    me = self_identity()
+    stale = me._replace(pid=4242, pid_ns=me.pid_ns + 1)
+    fresh = me._replace(pid=4343, pid_ns=me.pid_ns + 1)
+    for p, age in ((stale, 7200.0), (fresh, 0.0)):
+        member = member_name(p, 1)
+        os.close(os.open(member, os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd))
+        when = time.time() - age
+        os.utime(member, (when, when), dir_fd=fd)
+        seg = f"{p.pid:032x}"
+        frame = RawFrame(bytes(64))
+        assert perkey.write_segment(fd, seg, b"k" * 16, frame, p)
+    first._shared.scope.advance_stamp()
+    make_conn()  # a join looks
+    left = set(os.listdir(first.scope_dir))
+    assert member_name(stale, 1) not in left
+    assert f"{stale.pid:032x}.seg" not in left
+    assert member_name(fresh, 1) in left
+    assert f"{fresh.pid:032x}.seg" in left
+
+
+def test_a_running_producer_refreshes_its_registration(make_conn, monkeypatch) -> None:  # noqa: ANN001
+    """What tells a process of another namespace that a producer runs: its
+    registration's mtime, refreshed by puts and by ``remove_dead()``."""
+    import time
+
+    from vllm_host_transport import sender as sendmod
+
+    prod = make_conn()
+    assert prod.put("p", "c", "k", 1)[0]
+    fd = prod._shared.scope.fd
+    (member,) = [n for n in os.listdir(fd) if n.startswith("member-")]
+    old = time.time() - 7200
+    os.utime(member, (old, old), dir_fd=fd)
+    monkeypatch.setattr(sendmod, "HEARTBEAT_S", 0.0)
+    prod.remove_dead()
+    assert os.stat(member, dir_fd=fd).st_mtime > old + 3600
+    os.utime(member, (old, old), dir_fd=fd)
+    assert prod.put("p", "c", "k2", 2)[0]
+    assert os.stat(member, dir_fd=fd).st_mtime > old + 3600
