@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Whether a Mooncake master answers, asked without risking this process.
+"""Whether a Mooncake master answers, asked without risking this process;
+and what Mooncake's error codes mean (:func:`describe_error`).
 
 Mooncake's client ``setup`` and ``close`` hold Python's interpreter lock for
 as long as they run, and against a master that is frozen (``SIGSTOP``, a
@@ -73,5 +74,55 @@ def probe(
             f"{done.returncode}; is Mooncake's client installed?)"
         )
     if answer != "0":
-        return f"the Mooncake master {master} refused a probe (error {answer})"
+        try:
+            why = describe_error(int(answer))
+        except ValueError:
+            why = repr(answer)
+        return f"the Mooncake master {master} refused a probe: {why}"
     return None
+
+
+# Mooncake's error codes (mooncake-store/include/types.h), as what they mean
+# to a user: only the RPC failures say the master may be down.
+_ERRORS = {
+    -1: "Mooncake's internal error",
+    -10: "a buffer overflow in Mooncake's client",
+    -100: "a shard index out of range",
+    -101: "the segment that held the object is gone (the engine that "
+    "contributed it stopped)",
+    -102: "the segment already exists",
+    -200: "no space left in the Mooncake pool (raise mooncake_segment_bytes, "
+    "or more engines contribute memory)",
+    -300: "an invalid version",
+    -400: "an invalid key",
+    -500: "a write failed",
+    -600: "invalid parameters (a buffer too small for the object, or a "
+    "segment or buffer size Mooncake refuses)",
+    -601: "a client not allowed to do this",
+    -700: "an invalid write",
+    -701: "an invalid read",
+    -702: "an invalid replica",
+    -703: "the object's replica is not ready (still being written)",
+    -704: "the object is not in the store",
+    -705: "the object already exists",
+    -706: "a reader's lease still holds the object",
+    -707: "the read's lease expired before its transfer completed (the "
+    "master is up; the transfer from the engine holding the object was too "
+    "slow)",
+    -800: "the transfer to or from the engine holding the object failed "
+    "(that engine unreachable at its mooncake_local_hostname, or stopped)",
+    -900: "an RPC to the master failed: is mooncake_master running, and "
+    "reachable from this host?",
+    -901: "an RPC to the master timed out: is mooncake_master running, and "
+    "reachable from this host?",
+    -1010: "the master cannot do this in its current state",
+    -1011: "the master cannot do this in its current mode",
+}
+
+
+def describe_error(rc: int) -> str:
+    """Mooncake's error code ``rc`` as a sentence naming the code."""
+    what = _ERRORS.get(rc)
+    if what is None:
+        return f"Mooncake error {rc}"
+    return f"{what} (Mooncake error {rc})"

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_host_transport.mooncake_probe import probe
+from vllm_host_transport.mooncake_probe import describe_error, probe
 from vllm_host_transport.routed_experts import (
     RoutedExpertsRef,
     RouteRefCorruptError,
@@ -123,8 +123,8 @@ def _mooncake(master: str, timeout_s: float) -> Any:
             )
             if rc != 0:
                 raise RouteRefTransportError(
-                    f"cannot join the Mooncake Store of master {master} "
-                    f"(setup returned {rc})"
+                    f"cannot join the Mooncake Store of master {master}: "
+                    f"setup failed: {describe_error(rc)}"
                 )
             _mooncake_clients[master] = store
         return store
@@ -173,8 +173,8 @@ def take_from_mooncake(ref: RoutedExpertsRef, timeout_s: float) -> np.ndarray:
             )
         if exists < 0:
             raise RouteRefTransportError(
-                f"the Mooncake Store of master {ref.location} cannot be reached "
-                f"(is_exist returned {exists})"
+                f"the Mooncake Store of master {ref.location} cannot say whether "
+                f"routes {ref.key} are there: {describe_error(exists)}"
             )
         _forget_mooncake(ref.location, store)
         if attempt == 2:

@@ -480,3 +480,44 @@ def test_planted_terms_are_replaced_and_the_engine_joins(master):
     finally:
         mc.release(engine)
         raw.close()
+
+
+def test_a_genuine_put_replaces_an_object_planted_before_it(engines, master):
+    """r5 item 12: an object planted at a key before the engine that computes
+    the block writes it would have kept the key (Mooncake's put leaves an
+    existing object and reports success), the genuine write vanishing while
+    counted as published. The engine's mirror finds the key taken by an
+    object that fails authentication, removes it and writes its own: a
+    fetch then takes the genuine object."""
+    a, _ = engines
+    k, body = key(11), payload(11, 2000)
+    forged = payload(12, 2000)
+    header = np.zeros((), HEADER)
+    header["checksum"], header["nbytes"] = checksum(memoryview(forged)), len(forged)
+    _plant(master, k, header, forged)
+    (genuine,) = put(a, [(k, body)]).refs
+    assert mirrored(a, 1) == (1, 0)
+    (now,), data, rejected = _shared_view(master, [k])
+    assert (now, rejected) == (genuine, [])
+    assert bytes(data) == body
+
+
+@pytest.mark.parametrize(
+    "rc, named, unnamed",
+    [
+        (-707, "lease expired", "mooncake_master running"),
+        (-800, "transfer", "mooncake_master running"),
+        (-101, "segment", "mooncake_master running"),
+        (-900, "mooncake_master running", "lease"),
+    ],
+)
+def test_mooncake_errors_are_named_as_what_they_are(engines, rc, named, unnamed):
+    """r5 item 12: a read that fails with Mooncake's "lease expired" (the
+    master up, a transfer too slow) is not reported as a master that is
+    down; each of Mooncake's error codes is named (mooncake/types.h)."""
+    a, _ = engines
+    with pytest.raises(mc.MooncakeUnavailableError) as exc:
+        a._shared._raise_for(np.array([rc]), [key(1)])
+    msg = str(exc.value)
+    assert named in msg.lower() and unnamed not in msg.lower(), msg
+    assert str(rc) in msg

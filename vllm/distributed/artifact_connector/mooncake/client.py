@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.artifact_connector.store import StoreIOError
 from vllm.logger import init_logger
-from vllm_host_transport.mooncake_probe import probe
+from vllm_host_transport.mooncake_probe import describe_error, probe
 
 if TYPE_CHECKING:
     from vllm.config.artifact import ArtifactConfig
@@ -87,8 +87,8 @@ def acquire(cfg: ArtifactConfig, *, segment_bytes: int | None = None) -> Any:
         )
         if rc != 0:
             raise MooncakeUnavailableError(
-                f"cannot join the Mooncake Store of master {cfg.mooncake_master} "
-                f"(setup returned {rc}); is mooncake_master running there?"
+                f"cannot join the Mooncake Store of master {cfg.mooncake_master}: "
+                f"setup failed: {describe_error(rc)}"
             )
         _clients[ident] = (client, 1)
         _idents[id(client)] = ident

@@ -36,6 +36,7 @@ from vllm.distributed.artifact_connector.mooncake.client import (
 )
 from vllm.distributed.artifact_connector.store import ArtifactError
 from vllm.logger import init_logger
+from vllm_host_transport.mooncake_probe import describe_error
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -201,8 +202,8 @@ def agree(
             )
         raise MooncakeUnavailableError(
             f"cannot record the terms of key space {key_space!r} in the Mooncake "
-            f"Store of master {master} (rc {rc}); is mooncake_master running? "
-            "If it is, the memory of another engine of the key space could not "
+            f"Store of master {master}: {describe_error(rc)}. Where the master "
+            "is up, the memory of another engine of the key space could not "
             "be reached: an engine on another host must set "
             "mooncake_local_hostname to its address on the engines' network "
             "(the default, 127.0.0.1, serves one host only)"

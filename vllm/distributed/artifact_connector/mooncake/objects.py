@@ -53,6 +53,7 @@ from vllm.distributed.artifact_connector.mooncake.client import (
     own_segment,
 )
 from vllm.distributed.artifact_connector.store import ObjectRef, checksum
+from vllm_host_transport.mooncake_probe import describe_error
 
 PREFIX = "vllm-artifact/"
 HEADER = np.dtype([("checksum", "<u8"), ("nbytes", "<u8"), ("mac", "V16")])
@@ -151,10 +152,37 @@ class MooncakeObjects:
         refs[i].nbytes]``, objects back to back) where they are not in the
         store yet (a key already there keeps its object: see the module
         docs); returns how many of the ``len(keys)`` writes Mooncake
-        refused."""
-        n = len(keys)
-        if not n:
+        refused.
+
+        Mooncake's put leaves an existing object and reports success, so a
+        key taken by an object that fails authentication (planted before
+        this engine computed the block) would swallow the genuine write:
+        keys that exist are read and checked first, and those that fail are
+        removed and written (a genuine object there is kept, and counts as
+        put: it is what other engines should take)."""
+        if not len(keys):
             return 0
+        exists = self._client.batch_is_exist([PREFIX + k for k in keys])
+        taken = [i for i, e in enumerate(exists) if e == 1]
+        if taken:
+            got, _, rejected = self.fetch([keys[i] for i in taken])
+            if rejected:
+                self.remove(rejected)
+            genuine = {r.key for r in got}
+            write = [i for i, k in enumerate(keys) if k not in genuine]
+            if len(write) < len(keys):
+                if not write:
+                    return 0
+                lens = np.fromiter((refs[i].nbytes for i in write), np.int64)
+                offs = np.asarray(offsets, np.int64)[write]
+                data = np.concatenate(
+                    [data[o : o + s] for o, s in zip(offs.tolist(), lens.tolist())]
+                )
+                offsets = np.zeros(len(write), np.int64)
+                np.cumsum(lens[:-1], out=offsets[1:])
+                keys = [keys[i] for i in write]
+                refs = [refs[i] for i in write]
+        n = len(keys)
         sizes = np.fromiter((r.nbytes for r in refs), np.int64, n)
         header = np.empty(n, HEADER)
         header["checksum"] = np.fromiter((r.checksum for r in refs), np.uint64, n)
@@ -256,6 +284,5 @@ class MooncakeObjects:
         key, rc = keys[int(bad[0])], int(rcs[bad[0]])
         where = f"artifact object {key} in the Mooncake Store (master {self.master})"
         raise MooncakeUnavailableError(
-            f"{where} could not be read (Mooncake error {rc}); is mooncake_master "
-            "running?"
+            f"{where} could not be read: {describe_error(rc)}"
         )
