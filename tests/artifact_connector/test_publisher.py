@@ -702,3 +702,43 @@ def test_a_slow_mirror_holds_its_own_acknowledgement_only(shm_root, monkeypatch)
         assert all(len(keys) == 2 for keys in h.writer.asked)
     finally:
         h.close()
+
+
+def test_a_prefix_hit_keeps_the_version_it_hit_when_a_sibling_recomputes(h):
+    """r5 (outside the 95 commits): r2 hits r1's first block; before r2
+    finishes, a sibling (r3) recomputes that block with other routes (a
+    prompt of exactly k blocks recomputes its last one), which makes r3's
+    version the key's current one. r2's KV is still r1's, so its
+    acknowledgement names the version it retained, not the current one."""
+    a = routes(1, 8)
+    hashes = tuple(block_hash("shared", b) for b in range(2))
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r1", 0, 0),),
+            hashes=(BlockHashes("r1", 0, 0, hashes),),
+            finalizes=(Finalize("r1", 0, 8, None),),
+        ),
+        [("r1", 0, 0, a)],
+    )
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r2", 0, 4, hashes[:1]),),
+            hashes=(BlockHashes("r2", 0, 1, (block_hash("r2", 1),)),),
+        ),
+        [("r2", 0, 4, routes(2, 4))],
+    )
+    other = routes(3, 4)  # the same block, routed otherwise
+    h.step(
+        ArtifactSchedulerMeta(
+            starts=(AttemptStart("r3", 0, 0),),
+            hashes=(BlockHashes("r3", 0, 0, hashes[:1]),),
+            finalizes=(Finalize("r3", 0, 4, None),),
+        ),
+        [("r3", 0, 0, other)],
+    )
+    assert not h.failures, h.failures
+    np.testing.assert_array_equal(h.read("r3"), other)  # r3's is current
+    h.step(ArtifactSchedulerMeta(finalizes=(Finalize("r2", 0, 8, None),)))
+    r2 = h.read("r2")
+    np.testing.assert_array_equal(r2[:4], a[:4])  # the version r2 hit
+    np.testing.assert_array_equal(r2[4:], routes(2, 4))

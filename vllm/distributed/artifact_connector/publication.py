@@ -112,6 +112,10 @@ class Attempt:
     prefix_version: str = ""
     prefix_hashes: tuple[bytes, ...] = ()
     prefix_keys: list[str] = field(default_factory=list)
+    # The version (checksum) of each prefix key when it was retained, None
+    # until published: the one the hit's KV goes with, even if a sibling's
+    # recomputation makes another version current before the finish.
+    prefix_checksums: list[int | None] = field(default_factory=list)
     # (key, first row, rows, checksum, weight version) of each own object.
     own_refs: list[tuple[str, int, int, int, str]] = field(default_factory=list)
     failed: bool = False
@@ -349,11 +353,18 @@ class PublicationThread:
                 for h in att.prefix_hashes
             ]
             self._writer.retain(_owner(att.aid), att.prefix_keys)
+            att.prefix_checksums = self._versions(att.prefix_keys)
         objects = [o for o in work.objects if not o.att.failed]
         if len(objects) < len(work.objects):
             self.slab.free_later([o.page for o in work.objects if o.att.failed])
         if objects:
             self._publish(objects)
+        for att in work.starts:  # prefix blocks a sibling published this step
+            if None in att.prefix_checksums:
+                now = self._versions(att.prefix_keys)
+                att.prefix_checksums = [
+                    c if c is not None else n for c, n in zip(att.prefix_checksums, now)
+                ]
         for att, fin in work.finalizes:
             if not att.failed:
                 try:
@@ -435,17 +446,27 @@ class PublicationThread:
                 (ref.key, o.start, o.num_rows, ref.checksum, o.weight_version)
             )
 
+    def _versions(self, keys: list[str]) -> list[int | None]:
+        return [None if r is None else r.checksum for r in self._writer.lookup(keys)]
+
     def _acknowledge(self, att: Attempt, fin: Finalize) -> FinalizeAck:
         version, prefix_hashes = att.prefix_version, att.prefix_hashes
         prefix_keys = att.prefix_keys
         bs = self.block_size
         rows: list[tuple[str, int, int, int, str]] = []
-        for b, (key, ref) in enumerate(
-            zip(prefix_keys, self._writer.lookup(prefix_keys))
+        for b, (key, ref, retained) in enumerate(
+            zip(
+                prefix_keys,
+                self._writer.lookup(prefix_keys),
+                att.prefix_checksums,
+                strict=True,
+            )
         ):
             if ref is None:
                 raise self._prefix_miss(b, key, version, prefix_hashes[b])
-            rows.append((key, b * bs, bs, ref.checksum, version))
+            # The version retained (the retain keeps every version alive).
+            checksum = ref.checksum if retained is None else retained
+            rows.append((key, b * bs, bs, checksum, version))
         rows.extend(att.own_refs)
         columns = [list(c) for c in zip(*rows)] if rows else [[]] * 5
         refs = ObjectRefs.build(*columns)
