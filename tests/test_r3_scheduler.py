@@ -181,3 +181,60 @@ def test_a_failure_of_a_preempted_attempt_fails_the_request_at_once(sides):
     assert sides.sched.stats() == {"records": 0, "ready": 0}
     sides.step()  # the drain and release reach the worker
     assert sides.pub.stats()["attempts"] == 0
+
+
+class _HeldReader:
+    """The store reader with its reads held until ``release`` (a read stuck
+    past its request's deadline, as behind a slow store)."""
+
+    def __init__(self, reader) -> None:
+        import threading
+
+        self._reader = reader
+        self.release = threading.Event()
+        self.reading = threading.Event()
+
+    def read_into(self, *args, **kwargs):
+        self.reading.set()
+        assert self.release.wait(60)
+        return self._reader.read_into(*args, **kwargs)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def test_a_read_left_by_an_expired_request_is_not_awaited(sides):
+    """r5 L7: a request whose read outlived its deadline left with an
+    ArtifactReadTimeout, but its read still counted as pending: the finish
+    tail's condition (every held request waits for a result: pending ==
+    finishing) then failed for every later finishing batch (empty steps
+    spun) or held when a request waited for an acknowledgement (the step
+    waited for nothing). Pending results are counted per request: the
+    expired request's goes when it expires, and its late result, taken
+    and dropped, does not count again."""
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    reads = sides.sched._reads
+    held = reads._reader = _HeldReader(reads._reader)
+    results = sides.sched._results
+    r = sides.request("x", B + 4)
+    sides.step(new=[r], rows=[("x", 1, 0, B + 4)])
+    r.append_output_token_ids(7)
+    r.num_computed_tokens = B + 5
+    sides.finish(["x"], RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert sides.step() == {}  # the finalize is acknowledged: x reads
+    assert held.reading.wait(30)
+    assert results.pending == 1 == sides.sched._num_finishing
+    sides.sched._records["x"].deadline = 0.0  # the read outlived it
+    (out,) = sides.step()[0]
+    assert out.request_id == "x" and out.finish_reason == FinishReason.ERROR
+    assert out.artifact_error.startswith("ArtifactReadTimeout"), out.artifact_error
+    assert sides.sched._num_finishing == 0
+    assert results.pending == 0
+    held.release.set()
+    with results._cv:  # the late result is posted
+        assert results._cv.wait_for(lambda: results._done, 30)
+    assert sides.step() == {}  # taken and dropped
+    assert results.pending == 0
+    assert sides.sched.stats() == {"records": 0, "ready": 0}

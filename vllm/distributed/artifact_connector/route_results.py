@@ -29,16 +29,31 @@ class RouteResult:
 
 
 class RouteResults:
-    """Posted by worker threads, taken by the engine thread."""
+    """Posted by worker threads, taken by the engine thread. Pending results
+    are counted per request: a request that stops waiting for its result
+    (its deadline passed) is :meth:`abandon`-ed, so that its late result no
+    longer counts as awaited."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._done: list[RouteResult] = []
-        self._pending = 0  # submitted, not yet taken back
+        self._pending = 0  # submitted, awaited, not yet taken back
+        # Results submitted, then abandoned before they were taken:
+        # (req_id, attempt, handed_off).
+        self._abandoned: set[tuple[str, int, bool]] = set()
 
     def add_pending(self, n: int) -> None:
         with self._cv:
             self._pending += n
+
+    def abandon(self, req_id: str, attempt: int, handed_off: bool) -> None:
+        """Nobody waits for this pending read's (or hand-off's) result any
+        more: it leaves the pending count now; when it comes, :meth:`take`
+        returns it like any other."""
+        with self._cv:
+            self._abandoned.add((req_id, attempt, handed_off))
+            self._pending -= 1
+            self._cv.notify_all()
 
     def post(self, results: list[RouteResult]) -> None:
         if results:
@@ -52,8 +67,20 @@ class RouteResults:
             return []
         with self._cv:
             done, self._done = self._done, []
-            self._pending -= len(done)
+            self._pending -= len(done) - self._num_abandoned(done, discard=True)
         return done
+
+    def _num_abandoned(self, done: list[RouteResult], *, discard: bool) -> int:
+        if not self._abandoned:
+            return 0
+        n = 0
+        for r in done:
+            key = (r.req_id, r.attempt, r.handed_off)
+            if key in self._abandoned:
+                n += 1
+                if discard:
+                    self._abandoned.discard(key)
+        return n
 
     def wait_all(self, timeout: float) -> None:
         """Wait up to ``timeout`` until every pending result is done (for a
@@ -61,8 +88,15 @@ class RouteResults:
         step instead of a later one, and it does not spin while holding the
         interpreter the worker threads need)."""
         with self._cv:
-            self._cv.wait_for(lambda: len(self._done) >= self._pending, timeout)
+            self._cv.wait_for(
+                lambda: len(self._done)
+                - self._num_abandoned(self._done, discard=False)
+                >= self._pending,
+                timeout,
+            )
 
     @property
     def pending(self) -> int:
+        """Results awaited (submitted for requests that still wait for
+        them), not yet taken back."""
         return self._pending

@@ -583,11 +583,13 @@ class ArtifactSchedulerConnector:
             )
         elif record.phase is Phase.READING:
             self._out.releases.append(Release(record.req_id, record.finalized))
+            self._results.abandon(record.req_id, record.finalized, False)
             error = ArtifactReadTimeout(
                 f"the route reader did not read the routes of request "
                 f"{record.req_id} within {READ_TIMEOUT_S:g} s"
             )
         else:
+            self._results.abandon(record.req_id, record.finalized, True)
             error = RouteRefPublishError(
                 f"the routes of request {record.req_id} were not handed out "
                 f"by reference within ref_handoff_timeout_s "
