@@ -238,3 +238,35 @@ def test_a_read_left_by_an_expired_request_is_not_awaited(sides):
     assert sides.step() == {}  # taken and dropped
     assert results.pending == 0
     assert sides.sched.stats() == {"records": 0, "ready": 0}
+
+
+def test_a_prefix_cache_reset_moves_the_keys_unless_the_version_did(sides):
+    """r5 H2, the rule (the engine test is in test_r3_shared_kv.py): a
+    reset under an unchanged weight version (never set: "default") moves
+    the rows to keys of a new cache epoch; a reset after a version change
+    keeps the new version's keys (the version already moved them, and an
+    engine started with that version derives the same)."""
+    from vllm.distributed.artifact_connector.request_core import keyed_version
+
+    def version_after(*calls) -> str:
+        for call, *args in calls:
+            getattr(sides.sched, call)(*args)
+        sides.step()  # the meta carries the version to the worker
+        return sides.pub.weight_version
+
+    assert version_after() == "default"
+    assert version_after(("reset",)) == keyed_version("default", 1)
+    assert keyed_version("default", 1) != "default"
+    assert version_after(("reset",)) == keyed_version("default", 2)
+    # An RL loop that sets versions, the reset after or before the update.
+    assert version_after(("set_weight_version", "v1"), ("reset",)) == "v1"
+    assert version_after(("reset",), ("set_weight_version", "v2")) == "v2"
+    assert version_after(("reset",)) == "v2"
+    # The same weights again (a reset not after an update) still move.
+    assert version_after(("reset",)) == keyed_version("v2", 1)
+    # Rows published now are found under the keyed version only.
+    r = sides.request("k", B + 4)
+    sides.step(new=[r], rows=[("k", 1, 0, B + 4)])
+    key = sides.keys.key(keyed_version("v2", 1), r.block_hashes[0], B, tail=False)
+    assert sides.writer.lookup([key])[0] is not None
+    assert not sides.published(r.block_hashes[0])  # not under "default"

@@ -500,3 +500,82 @@ def test_engine_hashing_differently_is_refused(tiny_moe, master, tmp_path, capfd
     assert "cannot join the artifact key space 'test-shared-kv'" in err
     assert "block_size: this engine 64, the key space 32" in err
     assert "use the same --block-size on every engine" in err
+
+
+def _router_update(model, dest, *, reverse: bool):
+    """A weight update for ``model`` in ``dest``: a checkpoint holding only
+    the last MoE layer's router (an RL trainer pushes the tensors that
+    changed), reversed (its experts listed backwards: that layer's routes
+    name expert ``E - 1 - e`` where the original's name ``e``; a router's
+    input does not depend on its own layer's experts, so every other route
+    stays) or as in ``model`` (undoing the update). Returns the whole model
+    the engines then run, for the oracle."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    dest.mkdir()
+    (updated := dest / "model").mkdir()
+    (part := dest / "update").mkdir()
+    tensors = load_file(model / "model.safetensors")
+    last = max(n for n in tensors if n.endswith("mlp.gate.weight"))
+    if reverse:
+        tensors[last] = tensors[last][::-1].copy()
+    for f in model.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, updated)
+            shutil.copy(f, part)
+    save_file(tensors, updated / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {last: tensors[last]}, part / "model.safetensors", metadata={"format": "pt"}
+    )
+    return updated, part
+
+
+def _load_weights(engines, update) -> None:
+    """The engines' own weight-update path (``reload_weights`` on every
+    worker, from a checkpoint of the changed tensors: reloading every
+    tensor of the tiny model from disk changes other routes on the CPU
+    build too), then the prefix-cache reset an RL loop does after it; the
+    KV pool is emptied, as the user guide asks."""
+    import shutil
+
+    for llm in engines:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(update)})
+        assert llm.reset_prefix_cache()
+    cfg = engines[0].llm_engine.vllm_config.kv_transfer_config
+    pool_dir = cfg.kv_connector_extra_config["shared_storage_path"]
+    for entry in os.scandir(pool_dir):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def test_after_a_weight_update_a_pool_hit_has_the_new_weights_routes(
+    pool, tiny_moe, tmp_path
+):
+    """r5 H2: no weight version set (``"default"`` throughout), the routers
+    changed through the engines' own weight reload, the prefix cache reset
+    on both and the pool emptied. a computes a prompt it computed before
+    the update (the tier holds its routes of the old weights under the
+    same block hashes); b, loading the pool's new KV, must return the
+    routes of the new weights: the reset moved both engines to new keys."""
+    a, b = pool
+    prompts = pool_prompts("weight-update")
+    for out in a.generate(prompts, greedy(2), use_tqdm=False):
+        assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+    time.sleep(1.0)  # a's publication thread has mirrored the blocks
+    new, update = _router_update(tiny_moe, tmp_path / "new", reverse=True)
+    _, undo = _router_update(tiny_moe, tmp_path / "undo", reverse=False)
+    _load_weights((a, b), update)
+    try:
+        for out in a.generate(prompts, greedy(2), use_tqdm=False):
+            assert loaded_tokens(out) == 0
+            assert_exact(new, out.prompt_token_ids, out.outputs[0])
+        time.sleep(1.0)
+        for out in b.generate(prompts, greedy(4), use_tqdm=False):
+            assert loaded_tokens(out) == from_storage(out) > 0
+            assert_exact(new, out.prompt_token_ids, out.outputs[0])
+    finally:
+        _load_weights((a, b), undo)

@@ -12,7 +12,8 @@ request's KV block hash ``block_hashes[b]``; the last ``R % B`` rows form
 the *tail*, keyed by the hash of exactly those tokens computed with the
 prefix cache's own function and parent hash (:func:`tail_block_hash`) plus
 its row count. Every key also carries the weight version that computed the
-block, so routes of other weights are never served under a key.
+block and the engine's cache epoch (:func:`keyed_version`), so routes of
+other weights are never served under a key.
 
 An object is ``payload || envelope``: the rows in C order, then a 64-byte
 envelope (schema, dtype, shape, token range, the object's key) that makes
@@ -122,6 +123,21 @@ class KeySpace:
             raise CoverageError("a block hash must be non-empty bytes")
         prefix = self._prefix(weight_version, tail, num_rows)
         return hashlib.sha256(prefix + bytes(block_hash)).hexdigest()
+
+
+def keyed_version(weight_version: str, cache_epoch: int) -> str:
+    """The version keys are derived under: the weight version, and from
+    the first prefix-cache reset that leaves it unchanged on, that reset's
+    number (``cache_epoch``). A weight version that did not change across
+    a weight update (never set: ``"default"``) cannot tell the weights
+    apart; the reset that follows the update (and empties the KV pool) can:
+    every engine of a key space that resets moves to new keys together,
+    an engine that did not reset keeps its old ones, and objects of the
+    old weights (which the shared tier keeps: first put wins) are never
+    paired with KV computed after the reset."""
+    if cache_epoch == 0:
+        return weight_version
+    return f"{weight_version}\x00reset {cache_epoch}"
 
 
 def tail_block_hash(

@@ -46,6 +46,7 @@ from vllm.distributed.artifact_connector.protocol import (
 )
 from vllm.distributed.artifact_connector.request_core import (
     RowsRead,
+    keyed_version,
     tail_block_hash,
 )
 from vllm.distributed.artifact_connector.route_handoff import Handoff, RouteHandoff
@@ -129,6 +130,10 @@ class ArtifactSchedulerConnector:
             cfg.ref_handoff_timeout_s,
             open_now=cfg.ref_transport == "mooncake",
         )
+        # Keys are derived under keyed_version(weight version, cache epoch).
+        self._weight_version = "default"
+        self._cache_epoch = 0
+        self._version_at_reset = self._weight_version
         self._step_empty = False
         self._records: dict[str, RequestRecord] = {}
         # Where blocks whose routes are lost are dropped from the prefix
@@ -254,6 +259,25 @@ class ArtifactSchedulerConnector:
 
     def set_weight_version(self, version: str) -> None:
         """Rows computed from the next step on belong to ``version``."""
+        if version != self._weight_version:
+            self._weight_version = version
+            self._cache_epoch = 0
+        self._send_version()
+
+    def reset(self) -> None:
+        """The prefix cache was reset (after a weight update, in RL loops):
+        unless the weight version changed since the previous reset (its new
+        keys already tell the weights apart), rows computed from the next
+        step on, and the prefix blocks they are read with, get keys of a new
+        cache epoch (``request_core.keyed_version``). Engines that reset
+        together count alike, so they keep sharing routes."""
+        if self._weight_version == self._version_at_reset:
+            self._cache_epoch += 1
+        self._version_at_reset = self._weight_version
+        self._send_version()
+
+    def _send_version(self) -> None:
+        version = keyed_version(self._weight_version, self._cache_epoch)
         self._out.weight_version = version
         if self._external is not None:
             self._external.weight_version = version
