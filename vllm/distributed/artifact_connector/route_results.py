@@ -89,9 +89,10 @@ class RouteResults:
         interpreter the worker threads need)."""
         with self._cv:
             self._cv.wait_for(
-                lambda: len(self._done)
-                - self._num_abandoned(self._done, discard=False)
-                >= self._pending,
+                lambda: (
+                    len(self._done) - self._num_abandoned(self._done, discard=False)
+                    >= self._pending
+                ),
                 timeout,
             )
 
