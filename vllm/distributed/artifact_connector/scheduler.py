@@ -100,11 +100,15 @@ class ArtifactSchedulerConnector(TerminalOutputs):
         self._reads = RouteReader(
             ShmStoreReader(cfg.shm_root, namespace), self.spec, self._results
         )
+        # The reference transport opens when the engine starts, on the
+        # hand-off thread: a Mooncake client is never set up while the
+        # engine serves, and the host transport's join sweeps the payloads
+        # a killed predecessor left in its scope.
         self._handoff = RouteHandoff(
             self._results,
             lambda: RouteRefs(cfg),
             cfg.ref_handoff_timeout_s,
-            open_now=cfg.ref_transport == "mooncake",
+            open_now=True,
         )
         # Keys are derived under keyed_version(weight version, cache epoch).
         self._weight_version = "default"
