@@ -539,6 +539,57 @@ def test_a_killed_engine_core_while_a_trainer_holds_the_scope(tiny_moe, tmp_path
     assert not os.path.exists(path)
 
 
+def test_a_restarted_engine_sweeps_a_killed_ones_payloads_at_start(tiny_moe):
+    """A killed engine's references (its ring, segments and registration;
+    here a producer process of the same edge, SIGKILLed so nothing of it
+    runs at exit) stay in the scope while no other process looks. A new
+    engine on the same scope removes them as it starts, before any request
+    asks for a reference."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vllm import LLM
+
+    scope = f"r3ref-{uuid.uuid4().hex[:12]}"
+    path = os.path.join("/dev/shm", _scope_name(scope))
+    repo = Path(__file__).resolve().parent.parent
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "tests.host_transport.pidns_peer", "produce", scope],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert killed.stdout is not None
+        json.loads(killed.stdout.readline())  # its payloads are in place
+    finally:
+        killed.kill()
+        killed.wait(30)
+    left = _payload_files(path)
+    assert len([n for n in left if n.endswith(".seg")]) == 2, left
+    kwargs = engine_kwargs(tiny_moe)
+    kwargs["artifact_config"].update(ref_scope=scope)
+    try:
+        llm = LLM(**kwargs)
+        try:
+            # Started, and no request yet: the killed producer's ring,
+            # segments and registration go (the hand-off thread joins the
+            # scope as the engine starts, maybe just after LLM() returns).
+            deadline = time.monotonic() + 60
+            while _payload_files(path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _payload_files(path) == []
+        finally:
+            llm.llm_engine.engine_core.shutdown(timeout=30)
+            del llm
+        assert not os.path.exists(path)  # the engine left the scope last
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # a failure's leftovers
+
+
 def _fetch_in_another_pid_namespace(refs: list[dict]) -> list[dict]:
     """Fetch ``refs`` from a process in a new PID namespace (a trainer in
     another container sharing ``/dev/shm``): one result per reference."""
