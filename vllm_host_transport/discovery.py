@@ -238,13 +238,13 @@ def _remove_locked(fd: int, root_fd: int, name: str) -> None:
     os.rmdir(name, dir_fd=root_fd)
 
 
-def _collect_abandoned(root_fd: int, base: str, keep: str) -> None:
-    """Remove earlier fallback scopes of the same scope (``<base>-<16 hex>``)
-    that no connector is in any more but that once had one (a stamp): their
-    producers were killed, and no later engine ever uses their random names
-    again. A directory without a stamp may be one being created; anything
-    not ours is left alone."""
-    pattern = re.compile(re.escape(base) + r"-[0-9a-f]{16}\Z")
+def _collect_abandoned(root_fd: int, pattern: re.Pattern[str], keep: str) -> list[str]:
+    """Remove the scope directories matching ``pattern`` (but ``keep``) that
+    no connector is in any more but that once had one (a stamp): their
+    producers were killed (a closing last connector removes its directory).
+    A directory without a stamp may be one being created; anything not ours
+    is left alone. Returns the names removed."""
+    removed = []
     for name in os.listdir(root_fd):
         if name == keep or pattern.match(name) is None:
             continue
@@ -260,12 +260,31 @@ def _collect_abandoned(root_fd: int, base: str, keep: str) -> None:
                 continue
             try:
                 _remove_locked(fd, root_fd, name)
+                removed.append(name)
             except OSError:
                 pass
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+    return removed
+
+
+def collect_abandoned_scopes(root: str = "/dev/shm", keep: str = "") -> list[str]:
+    """Remove every scope directory of this user under ``root`` that no
+    connector is in and that once had one (the producers of such a scope
+    were all killed: a clean close of the last connector removes it).
+    A scope is named after its deployment's scope string, which a later
+    engine need not share (the default derives it from the session id), so
+    an engine starting on the node collects them all, whatever namespace
+    or scope they belonged to: the lock on the directory is held by every
+    connector, whatever its PID namespace. Returns the names removed."""
+    pattern = re.compile(rf"vllm-ht-{os.getuid()}-[0-9a-f]{{16}}(-[0-9a-f]{{16}})*\Z")
+    root_fd = _open_root(root)
+    try:
+        return _collect_abandoned(root_fd, pattern, keep)
+    finally:
+        os.close(root_fd)
 
 
 class ScopeDir:
@@ -366,7 +385,9 @@ class ScopeDir:
         # the root's listing is no longer unpredictable.
         fd = self._join(root_fd, create=False)
         with contextlib.suppress(OSError):
-            _collect_abandoned(root_fd, base, keep=name)
+            _collect_abandoned(
+                root_fd, re.compile(re.escape(base) + r"-[0-9a-f]{16}\Z"), keep=name
+            )
         return fd
 
     # -------------------------------------------------------------- stamp

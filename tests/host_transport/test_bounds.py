@@ -269,6 +269,53 @@ def test_a_killed_producers_payloads_go_with_the_next_receive(scope):
     assert not os.path.exists(scope_path(scope))
 
 
+def _hang_in(root: str, scope: str, done, release) -> None:
+    c = HostTransportConnector(HostTransportConfig(scope=scope, shm_root=root))
+    assert c.put("p", "c", "big", np.ones(BIG, np.uint8))[0]
+    done.set()
+    release.wait(60)  # SIGKILLed here
+
+
+def test_scopes_whose_producers_were_all_killed_are_collected(tmp_path):
+    """An engine's default scope derives from its session id, which a
+    restarted engine does not share: a killed engine's scope is collected
+    by any later start on the node, not only by a join of that scope."""
+    from vllm_host_transport.discovery import collect_abandoned_scopes
+
+    root = f"/dev/shm/test-root-{uuid.uuid4().hex[:8]}"
+    os.mkdir(root, 0o700)
+    try:
+        done, release = helpers.CTX.Event(), helpers.CTX.Event()
+        child = helpers.CTX.Process(
+            target=_hang_in, args=(root, "killed", done, release)
+        )
+        child.start()
+        assert done.wait(60)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+        killed = ScopeDir.dir_name("killed")
+        live = HostTransportConnector(HostTransportConfig(scope="live", shm_root=root))
+        try:
+            # A directory being created (no stamp yet) and one not ours by
+            # name are left alone.
+            os.mkdir(os.path.join(root, ScopeDir.dir_name("creating")), 0o700)
+            os.mkdir(os.path.join(root, "vllm-ht-other"), 0o700)
+            assert killed in os.listdir(root)
+            assert collect_abandoned_scopes(root) == [killed]
+            assert sorted(os.listdir(root)) == sorted(
+                [
+                    os.path.basename(live.scope_dir),
+                    ScopeDir.dir_name("creating"),
+                    "vllm-ht-other",
+                ]
+            )
+            assert collect_abandoned_scopes(root) == []
+        finally:
+            live.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_a_producer_looks_for_dead_peers_when_asked(scope):
     prod = _conn(scope)
     try:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from vllm_host_transport import (
     HostTransportConnector,
     HostTransportError,
 )
+from vllm_host_transport.discovery import collect_abandoned_scopes
 from vllm_host_transport.routed_experts import (
     EDGE,
     RoutedExpertsRef,
@@ -104,6 +106,19 @@ class _HostSink:
                 f"(ref_scope {scope!r}): {e}"
             ) from e
         self.location = self._conn.scope_name
+        # Scopes whose producers were all killed (their engines' scopes
+        # derive from session ids no later engine shares) go when an engine
+        # starts on the node; a scope with any connector in it is kept.
+        root, own = os.path.split(self._conn.scope_dir)
+        try:
+            removed = collect_abandoned_scopes(root, keep=own)
+        except OSError as e:
+            logger.warning("could not collect abandoned host-transport scopes: %s", e)
+        else:
+            if removed:
+                logger.info(
+                    "removed host-transport scopes of killed engines: %s", removed
+                )
 
     def put(self, key: str, rows: np.ndarray) -> bool:
         """Returns whether the payload took a per-key segment of its own
