@@ -16,9 +16,9 @@ together. Each side runs the code the server runs:
 * ref: the engine core's route reader hands the array to ``RouteRefs``
   (``publish``: a copy into the host transport, its checksum); the API
   server serialises the reference to JSON; a separate consumer process, which
-  never imports vLLM or torch, parses it and calls ``fetch`` (claim, borrowed
-  mapping, checksum); its later release of the arrays (unmapping and freeing
-  the segment's pages) is timed apart;
+  never imports vLLM or torch, parses it and calls ``fetch`` (claim, copy out
+  of the segment, checksum; a borrowed mapping until issue 37); its later
+  release of the arrays is timed apart;
 * mooncake: the same through a Mooncake Store (``ref_transport:
   mooncake``) behind a real ``mooncake_master`` on 127.0.0.1 (TCP), started
   by this script when Mooncake is installed.

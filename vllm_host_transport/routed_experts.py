@@ -273,7 +273,10 @@ def fetch(
     payload is taken (a second fetch of the same reference raises
     :class:`RouteRefMissingError`, at once). ``timeout_s``: the longest a
     host fetch waits for a lock another process holds on the payload (a
-    competing consumer, the engine moving it). Raises only
+    competing consumer, the engine moving it); for a Mooncake reference,
+    the longest the process's first read from that master (and the first
+    after a retry) waits for the master to answer the probe that precedes
+    joining it (at least 1 s). Raises only
     :class:`RouteRefError` subclasses."""
     if isinstance(ref, RoutedExpertsRef):
         # msgspec does not validate a Struct built in code: its fields go
