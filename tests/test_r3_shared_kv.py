@@ -255,12 +255,20 @@ def test_kv_whose_routes_are_gone_is_recomputed(pool, tiny_moe):
     (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
     assert loaded_tokens(out) == 0
     assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
-    # The recomputation published the blocks' routes again: once b's own
-    # prefix cache forgets them, the pool's hit is taken again.
+    # A recomputation publishes the blocks' routes again, so the pool's hit
+    # is taken again. Shown across a prefix-cache reset of both engines (a
+    # reset moves every engine of the key space to keys of a new cache
+    # epoch together; resetting one alone would split them): a's hit on the
+    # pool's KV finds no routes of the new epoch and is recomputed, and b's
+    # then loads the pool's KV with a's new routes.
     time.sleep(1.0)
-    assert b.reset_prefix_cache()
+    assert a.reset_prefix_cache() and b.reset_prefix_cache()
+    (out,) = a.generate([prompt], greedy(4), use_tqdm=False)
+    assert loaded_tokens(out) == 0
+    assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
+    time.sleep(1.0)  # a's publication thread has mirrored the blocks
     (out,) = b.generate([prompt], greedy(4), use_tqdm=False)
-    assert loaded_tokens(out) == from_storage(out)
+    assert loaded_tokens(out) == from_storage(out) > 0
     assert_exact(tiny_moe, out.prompt_token_ids, out.outputs[0])
 
 
