@@ -198,19 +198,10 @@ def test_a_full_dev_shm_retires_nothing_that_frees_nothing():
     waiting references live in the preallocated ring, so removing them
     frees nothing; none is removed, the publish fails with the typed error,
     and the full file system is logged once, without a traceback."""
-    import subprocess
-    import sys
-
-    from utils.shm_ns import skip_unless_private_shm, small_shm_argv
+    from utils.shm_ns import run_python_in_small_shm, skip_unless_private_shm
 
     skip_unless_private_shm()
-    r = subprocess.run(
-        small_shm_argv("24m", f"{sys.executable} -c {_shell_quote(NOSPACE_CHILD)}"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "VLLM_HOST_TRANSPORT_SCOPE": ""},
-    )
+    r = run_python_in_small_shm("24m", NOSPACE_CHILD)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "/dev/shm is full" in out["big"], out
@@ -218,12 +209,6 @@ def test_a_full_dev_shm_retires_nothing_that_frees_nothing():
     assert out["exact"] == [True] * 10, out
     assert "Traceback" not in r.stderr, r.stderr[-4000:]
     assert r.stderr.count("/dev/shm is full") <= 1, r.stderr[-4000:]
-
-
-def _shell_quote(s: str) -> str:
-    import shlex
-
-    return shlex.quote(s)
 
 
 def test_a_forged_mooncake_payload_with_a_matching_checksum_is_refused():

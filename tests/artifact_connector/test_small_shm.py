@@ -12,11 +12,8 @@ store's own evict-and-retry path: ``test_shm_store.py``, on a tmpfs under
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from utils.shm_ns import skip_unless_private_shm, small_shm_argv
+from utils.shm_ns import run_python_in_small_shm, skip_unless_private_shm
 
 CHILD = r"""
 import json, os, sys
@@ -59,13 +56,7 @@ print(json.dumps(out))
 
 def test_references_make_room_by_removing_their_own_oldest():
     skip_unless_private_shm()
-    r = subprocess.run(
-        small_shm_argv("12m", f"{sys.executable} -c {_quote(CHILD)}"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "VLLM_HOST_TRANSPORT_SCOPE": ""},
-    )
+    r = run_python_in_small_shm("12m", CHILD)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["published"] == 8, out
@@ -73,9 +64,3 @@ def test_references_make_room_by_removing_their_own_oldest():
     assert out["newest_exact"] is True
     assert out["oldest"] == "missing"
     assert "/dev/shm is full" in out["full"] and "engines_per_node" in out["full"]
-
-
-def _quote(s: str) -> str:
-    import shlex
-
-    return shlex.quote(s)

@@ -24,6 +24,21 @@ def small_shm_argv(size: str, command: str) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
 
+def run_python_in_small_shm(size: str, code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in this interpreter with a ``/dev/shm`` of ``size`` and
+    no scope from the environment; its output captured as text."""
+    import os
+    import sys
+
+    return subprocess.run(
+        small_shm_argv(size, f"{sys.executable} -c {shlex.quote(code)}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_HOST_TRANSPORT_SCOPE": ""},
+    )
+
+
 def skip_unless_private_shm() -> None:
     """Skip the test where a mount namespace with its own tmpfs cannot be
     made (not root, no unshare, a container without CAP_SYS_ADMIN)."""
