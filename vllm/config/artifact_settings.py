@@ -111,8 +111,15 @@ class ArtifactConfig:
     ``/dev/shm``, at most 4 GiB (4 GiB with ``ref_transport: mooncake``)."""
 
     ref_ttl_s: float = Field(default=DEFAULT_REF_TTL_S, gt=0)
-    """Seconds a reference's routes wait to be fetched before they are
-    removed."""
+    """Seconds a reference's routes stay readable before they are removed
+    (unless released earlier: ``routes_reader.release``)."""
+
+    ref_versions_kept: int = Field(default=2, ge=0)
+    """Weight versions whose references stay readable: when the engine's
+    weight version changes (``update_weight_version``), the references of
+    versions older than the last ``ref_versions_kept`` are removed (2: the
+    current one and the one before, which an asynchronous trainer may still
+    be training on). 0: never by version (only release, TTL and bounds)."""
 
     ref_handoff_timeout_s: float = Field(
         default=DEFAULT_REF_HANDOFF_TIMEOUT_S, gt=0, le=MAX_REF_HANDOFF_TIMEOUT_S

@@ -140,6 +140,13 @@ def keyed_version(weight_version: str, cache_epoch: int) -> str:
     return f"{weight_version}\x00reset {cache_epoch}"
 
 
+def row_versions(keyed_versions: tuple[str, ...]) -> str:
+    """The weight versions of a request's objects (their keyed versions,
+    in row order), without cache epochs, distinct, ``","``-joined: what a
+    reference names as its rows' provenance."""
+    return ",".join(dict.fromkeys(v.split("\x00", 1)[0] for v in keyed_versions))
+
+
 def tail_block_hash(
     hash_fn: Callable[[Any], bytes],
     parent_block_hash: bytes | None,

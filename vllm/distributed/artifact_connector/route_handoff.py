@@ -76,6 +76,7 @@ class Handoff:
     rows: np.ndarray
     first_row: int
     deadline: float  # time.monotonic()
+    weight_version: str = ""  # the rows' versions, ","-joined in row order
 
 
 class RouteHandoff:
@@ -98,6 +99,7 @@ class RouteHandoff:
         self._cv = threading.Condition()
         self._queued: list[Handoff] = []
         self._to_retire: list[str] = []
+        self._versions_kept: tuple[str, ...] | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
         self._breaker = Breaker(
@@ -127,6 +129,12 @@ class RouteHandoff:
         result came after the engine gave up on it)."""
         with self._cv:
             self._to_retire.append(key)
+            self._cv.notify_all()
+
+    def retire_versions(self, kept: tuple[str, ...]) -> None:
+        """Remove every payload whose weight version is not in ``kept``."""
+        with self._cv:
+            self._versions_kept = kept
             self._cv.notify_all()
 
     def counters(self) -> dict[str, int] | None:
@@ -171,14 +179,22 @@ class RouteHandoff:
                     logger.error("routed-experts references are unavailable: %s", e)
             while True:
                 with self._cv:
-                    if not (self._queued or self._to_retire or self._stop):
+                    if not (
+                        self._queued
+                        or self._to_retire
+                        or self._versions_kept is not None
+                        or self._stop
+                    ):
                         self._cv.wait(max(0.0, next_expiry - time.monotonic()))
                     if self._stop:
                         return
                     job = self._queued.pop(0) if self._queued else None
                     retire, self._to_retire = self._to_retire, []
+                    kept, self._versions_kept = self._versions_kept, None
                 for key in retire:
                     self._upkeep("retire", key)
+                if kept is not None:
+                    self._upkeep("versions", kept=kept)
                 if job is not None:
                     self._results.post([self._hand_off(job)])
                 if time.monotonic() >= next_expiry:
@@ -190,15 +206,18 @@ class RouteHandoff:
             self._results.post([self._failed(j, "the engine stopped") for j in left])
             self._upkeep("close")
 
-    def _upkeep(self, what: str, key: str = "") -> None:
-        """Retire one payload, expire, or close; a fault is logged, never
-        raised (this thread serves every later reference)."""
+    def _upkeep(self, what: str, key: str = "", kept: tuple[str, ...] = ()) -> None:
+        """Retire one payload or a weight version's, expire, or close; a
+        fault is logged, never raised (this thread serves every later
+        reference)."""
         refs = self._refs
         if refs is None:
             return
         try:
             if what == "retire":
                 refs.retire(key)
+            elif what == "versions":
+                refs.retire_versions(kept)
             elif what == "expire":
                 refs.expire()
             else:
@@ -216,7 +235,9 @@ class RouteHandoff:
         self._breaker.begin(start)
         ref = error = None
         try:
-            ref = self._route_refs().publish(job.rows, job.first_row)
+            ref = self._route_refs().publish(
+                job.rows, job.first_row, job.weight_version
+            )
         except RouteRefPublishError as e:
             error = f"RouteRefPublishError: {e}"
         except Exception as e:  # a sink fault: this reference fails, not us

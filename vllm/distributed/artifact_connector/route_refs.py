@@ -4,31 +4,33 @@
 
 For a request with ``routed_experts_format="ref"`` the route reader does
 not return the array to the scheduler: it hands it to :class:`RouteRefs`,
-which puts it under a fresh random key where the consumer fetches it and
-gives back the :class:`~vllm_host_transport.routed_experts.RoutedExpertsRef`
-that the request's output carries instead. The array never crosses the
-engine's output socket or the API server. Two places (``ref_transport``):
+which stores it once under a fresh random key, in the stored form trainer
+ranks read slices of (``vllm_host_transport/routes_format.py``: a header
+of chunk digests, then the routes layer-major), and gives back the
+:class:`~vllm_host_transport.routed_experts.RoutedExpertsRef` that the
+request's output carries instead. The array never crosses the engine's
+output socket or the API server. Two places (``ref_transport``):
 
 * ``host``: this node's host transport, in the scope ``ref_scope``
-  (:class:`_HostSink`); a consumer takes the payload once;
-* ``mooncake``: a Mooncake Store (:class:`_MooncakeSink`): consumers on any
-  host that reaches its master read it until it is removed.
+  (:class:`_HostSink`: a read-many object, ``vllm_host_transport/readmany.py``);
+* ``mooncake``: a Mooncake Store (``route_sink_mooncake.py``), read from
+  any host that reaches its master.
 
-What nobody fetches is bounded: a payload leaves after ``ref_ttl_s``, the
-oldest ones leave while more than ``ref_max_bytes`` or
-:data:`MAX_WAITING_REFS` wait, and everything left goes when the engine
-stops (a killed engine's host payloads are removed by the next engine or
-fetch in the scope, see ``vllm_host_transport/liveness.py``). When a host
-put fails because ``/dev/shm`` itself is full (the engines of a node share
-it), this engine's oldest unfetched payloads that have a per-key segment of
-their own (those in the preallocated ring free nothing) are removed, only
-until the free space covers the new payload, and the put is tried again,
-at most :data:`_MAX_SPACE_RETRIES` times; a removal that frees nothing ends
-it. The expiry
-pass (:meth:`RouteRefs.expire`, every second) also learns which host
-payloads were fetched, so ``waiting_bytes`` counts only what really waits.
-Retiring a payload that was fetched is a no-op. Used by the hand-off thread
-only (``route_handoff.py``); counters are read by the engine's.
+Any number of consumers read a payload until it goes: released by the
+driver or the last of its readers (``routes_reader.release``), its weight
+version retired (``ref_versions_kept`` versions stay), ``ref_ttl_s``
+passed, the oldest beyond ``ref_max_bytes`` or :data:`MAX_WAITING_REFS`,
+and everything left when the engine stops (a killed engine's host payloads
+are removed by the next engine in the scope, see
+``vllm_host_transport/liveness.py``). When a host put fails because
+``/dev/shm`` itself is full (the engines of a node share it), this engine's
+oldest payloads are removed, only until the free space covers the new
+payload, and the put is tried again, at most :data:`_MAX_SPACE_RETRIES`
+times; a removal that frees nothing ends it. The expiry pass
+(:meth:`RouteRefs.expire`, every second) also learns which payloads readers
+released, so ``waiting_bytes`` counts only what really waits. Used by the
+hand-off thread only (``route_handoff.py``); counters are read by the
+engine's.
 """
 
 from __future__ import annotations
@@ -53,12 +55,8 @@ from vllm_host_transport import (
     HostTransportError,
 )
 from vllm_host_transport.discovery import collect_abandoned_scopes
-from vllm_host_transport.routed_experts import (
-    EDGE,
-    RoutedExpertsRef,
-    checksum_hex,
-    sha256_hex,
-)
+from vllm_host_transport.routed_experts import RoutedExpertsRef
+from vllm_host_transport.routes_format import FORMAT, EncodedRoutes, encode
 
 if TYPE_CHECKING:
     from vllm.config.artifact import ArtifactConfig
@@ -120,27 +118,27 @@ class _HostSink:
                     "removed host-transport scopes of killed engines: %s", removed
                 )
 
-    def put(self, key: str, rows: np.ndarray) -> bool:
-        """Returns whether the payload took a per-key segment of its own
-        (removing it gives its bytes back to ``/dev/shm``; a ring frame's
-        are preallocated)."""
+    def put(self, key: str, payload: EncodedRoutes) -> bool:
+        """Store ``payload`` under ``key``, readable by any process of the
+        user until removed. Returns True: its bytes are a file of their own
+        in ``/dev/shm`` (removing it frees them)."""
         try:
-            ok, _, desc = self._conn.put(EDGE[0], EDGE[1], key, rows)
+            ok = self._conn.put_readable(key, payload.parts)
         except HostTransportError as e:
             raise RouteRefPublishError(f"the host transport failed: {e}") from e
         if not ok:
             error = RouteRefPublishError
             with contextlib.suppress(HostTransportError):  # closed meanwhile
                 free = free_bytes(self._conn.scope_dir)
-                if free < rows.nbytes + _NO_SPACE_SLACK:
+                if free < payload.nbytes + _NO_SPACE_SLACK:
                     error = _NoSpaceError
             raise error(
                 f"the host transport (scope {self.location!r}) refused a "
-                f"{rows.nbytes}-byte payload"
+                f"{payload.nbytes}-byte payload"
                 + ("; /dev/shm is full" if error is _NoSpaceError else "")
                 + "; see the engine log"
             )
-        return desc is not None and desc.get("plane") == "key"
+        return True
 
     def free_bytes(self) -> int:
         try:
@@ -149,69 +147,18 @@ class _HostSink:
             return 0
 
     def retire(self, key: str) -> bool:
-        return self._conn.cleanup(key)
+        return self._conn.withdraw_readable(key)
 
-    def taken(self) -> list[str]:
-        """Keys fetched since the last call."""
-        return self._conn.taken()
+    def gone(self, keys: list[str]) -> list[str]:
+        """Which of ``keys`` readers (or the driver) removed."""
+        return self._conn.readables_gone(keys)
 
     def upkeep(self) -> None:
         # What killed engines of this scope left (none of ours).
         self._conn.remove_dead()
 
     def close(self) -> None:
-        self._conn.close()  # withdraws every payload not fetched yet
-
-
-class _MooncakeSink:
-    """A Mooncake Store, reached through its master."""
-
-    transport = "mooncake"
-
-    def __init__(self, cfg: ArtifactConfig) -> None:
-        from vllm.distributed.artifact_connector.mooncake import client
-
-        self.location = str(cfg.mooncake_master)
-        try:
-            self._store: Any = client.acquire(cfg)
-        except client.MooncakeUnavailableError as e:
-            raise RouteRefPublishError(str(e)) from e
-        # In this engine's own segment: a reference lives as long as the
-        # engine that handed it out, not as long as whichever engine's
-        # segment Mooncake would pick (on another node, maybe).
-        self._placement = client.own_segment(self._store)
-
-    def put(self, key: str, rows: np.ndarray) -> bool:
-        if not rows.nbytes:
-            # Mooncake refuses empty objects (-600); a reference to no rows
-            # is fetched from the reference alone (routed_experts.fetch).
-            return False
-        rc = self._store.put(key, rows.reshape(-1).view(np.uint8).data, self._placement)
-        if rc != 0:
-            raise RouteRefPublishError(
-                f"the Mooncake Store (master {self.location}) refused a "
-                f"{rows.nbytes}-byte payload (put returned {rc})"
-            )
-        return False  # never in /dev/shm
-
-    def retire(self, key: str) -> bool:
-        # Fails while a reader's lease holds the object; Mooncake's own
-        # eviction still bounds what stays. (An empty payload was never put;
-        # its remove fails, harmlessly.)
-        return self._store.remove(key) == 0
-
-    def taken(self) -> list[str]:
-        # A Mooncake payload can be read any number of times: it waits until
-        # its TTL whether it was read or not.
-        return []
-
-    def upkeep(self) -> None:
-        pass
-
-    def close(self) -> None:
-        from vllm.distributed.artifact_connector.mooncake import client
-
-        client.release(self._store)
+        self._conn.close()  # withdraws every payload still there
 
 
 @dataclass(slots=True)
@@ -219,7 +166,8 @@ class _Waiting:
     key: str
     nbytes: int
     expires: float
-    own_segment: bool  # a per-key segment: removing it frees /dev/shm
+    own_segment: bool  # a file of its own: removing it frees /dev/shm
+    weight_version: str  # the newest version of its rows
 
 
 class RouteRefs:
@@ -229,7 +177,8 @@ class RouteRefs:
         # Set from the node by verify_artifact_config when left unset.
         self._max_bytes = cfg.ref_max_bytes or DEFAULT_REF_MAX_BYTES
         self._ttl_s = cfg.ref_ttl_s
-        # Payloads never seen to go, by key, oldest first.
+        self._key_space = cfg.key_space or ""
+        # Payloads not seen to go, by key, oldest first.
         self._waiting: collections.OrderedDict[str, _Waiting] = (
             collections.OrderedDict()
         )
@@ -237,24 +186,34 @@ class RouteRefs:
         self.published = 0
         self.expired = 0
         self.space_evictions = 0  # removed early because /dev/shm was full
-        self._sink: _HostSink | _MooncakeSink = (
-            _MooncakeSink(cfg)
-            if cfg.ref_transport == "mooncake"
-            else _HostSink(cfg.ref_scope)
-        )
+        self.version_retired = 0  # removed with their weight version
+        if cfg.ref_transport == "mooncake":
+            from vllm.distributed.artifact_connector.route_sink_mooncake import (
+                MooncakeRefSink,
+            )
 
-    def publish(self, rows: np.ndarray, prompt_start: int) -> RoutedExpertsRef:
-        """Put ``rows`` (an owned ``[rows, layers, top_k]`` array) under a
-        fresh key; returns its reference."""
-        rows = np.ascontiguousarray(rows)
+            self._sink: Any = MooncakeRefSink(cfg)
+        else:
+            self._sink = _HostSink(cfg.ref_scope)
+        # Objects anyone who reaches a Mooncake master could replace carry
+        # SHA-256 digests; the host transport's files are the user's own.
+        self._digest = "sha256" if self._sink.transport == "mooncake" else "xxh3_64"
+
+    def publish(
+        self, rows: np.ndarray, prompt_start: int, weight_version: str = ""
+    ) -> RoutedExpertsRef:
+        """Store ``rows`` (an owned ``[rows, layers, top_k]`` array) under a
+        fresh key; returns its reference. ``weight_version``: the versions
+        the rows were computed under (``","``-joined, in row order)."""
         if rows.nbytes > self._max_bytes:
             raise RouteRefPublishError(
                 f"routes of {rows.nbytes} bytes exceed ref_max_bytes "
                 f"({self._max_bytes}); raise it in --artifact-config"
             )
+        payload = encode(rows, self._digest)
         waiting = self._waiting
         while waiting and (
-            self.waiting_bytes + rows.nbytes > self._max_bytes
+            self.waiting_bytes + payload.nbytes > self._max_bytes
             or len(waiting) >= MAX_WAITING_REFS
         ):
             self._retire(waiting.popitem(last=False)[1])
@@ -262,25 +221,28 @@ class RouteRefs:
         retries = 0
         while True:
             try:
-                own_segment = self._sink.put(key, rows)
+                own_segment = self._sink.put(key, payload)
                 break
             except _NoSpaceError as e:
                 # /dev/shm is full (other engines, other files): this
-                # engine's oldest unfetched payloads that hold space of
-                # their own go first, as beyond ref_max_bytes.
-                if retries == _MAX_SPACE_RETRIES or not self._make_room(rows.nbytes):
+                # engine's oldest payloads go first, as beyond ref_max_bytes.
+                if retries == _MAX_SPACE_RETRIES or not self._make_room(payload.nbytes):
                     raise RouteRefPublishError(
-                        f"{e}, and removing this engine's unfetched references "
+                        f"{e}, and removing this engine's waiting references "
                         "cannot make room for it; give /dev/shm more room or "
                         "size the engines that share it (engines_per_node, "
                         "$VLLM_ENGINES_PER_NODE)"
                     ) from e
                 retries += 1
-        flat = rows.reshape(-1).view(np.uint8)
+        newest = weight_version.rsplit(",", 1)[-1]
         waiting[key] = _Waiting(
-            key, rows.nbytes, time.monotonic() + self._ttl_s, own_segment
+            key,
+            payload.nbytes,
+            time.monotonic() + self._ttl_s,
+            own_segment,
+            newest,
         )
-        self.waiting_bytes += rows.nbytes
+        self.waiting_bytes += payload.nbytes
         self.published += 1
         return RoutedExpertsRef(
             transport=self._sink.transport,
@@ -288,25 +250,28 @@ class RouteRefs:
             key=key,
             shape=(rows.shape[0], rows.shape[1], rows.shape[2]),
             dtype=rows.dtype.name,
-            nbytes=rows.nbytes,
-            checksum=checksum_hex(flat),
+            nbytes=payload.body.nbytes,
+            checksum=payload.header_digest_hex("xxh3_64"),
             prompt_start=prompt_start,
-            # Over Mooncake (objects anyone who reaches the master may
-            # replace) a collision-resistant digest too; the host transport's
-            # files are the user's own.
-            sha256=sha256_hex(flat) if self._sink.transport == "mooncake" else "",
+            sha256=(
+                payload.header_digest_hex("sha256") if self._digest == "sha256" else ""
+            ),
+            format=FORMAT,
+            header_nbytes=len(payload.header),
+            block_rows=payload.block_rows,
+            weight_version=weight_version,
+            key_space=self._key_space,
         )
 
     def _make_room(self, nbytes: int) -> bool:
-        """Remove this engine's oldest unfetched payloads that have a
-        segment of their own until ``/dev/shm`` has room for ``nbytes`` more;
-        stops at the first removal that frees nothing (the payload was
-        fetched meanwhile, or a trainer still maps it). Returns whether there
-        is room now."""
+        """Remove this engine's oldest payloads that have a file of their
+        own until ``/dev/shm`` has room for ``nbytes`` more; stops at the
+        first removal that frees nothing (released meanwhile, or a reader
+        still has it open). Returns whether there is room now."""
         sink = self._sink
         if not isinstance(sink, _HostSink):
             return False
-        self._forget_taken()
+        self._forget_gone()
         need = nbytes + _NO_SPACE_SLACK
         free = sink.free_bytes()
         for w in [w for w in self._waiting.values() if w.own_segment]:
@@ -321,9 +286,9 @@ class RouteRefs:
             free = now
         return free >= need
 
-    def _forget_taken(self) -> None:
+    def _forget_gone(self) -> None:
         waiting = self._waiting
-        for key in self._sink.taken():
+        for key in self._sink.gone(list(waiting)):
             w = waiting.pop(key, None)
             if w is not None:
                 self.waiting_bytes -= w.nbytes
@@ -337,10 +302,10 @@ class RouteRefs:
         }
 
     def expire(self) -> None:
-        """The periodic pass: forget the payloads that were fetched, retire
+        """The periodic pass: forget the payloads readers released, retire
         those past their TTL, and remove what killed engines left."""
         waiting = self._waiting
-        self._forget_taken()
+        self._forget_gone()
         now = time.monotonic()
         while waiting:
             w = next(iter(waiting.values()))
@@ -358,14 +323,23 @@ class RouteRefs:
             self.waiting_bytes -= w.nbytes
             self._sink.retire(key)
 
+    def retire_versions(self, kept: tuple[str, ...]) -> None:
+        """Remove every payload whose rows' newest weight version is not in
+        ``kept`` (the engine moved past it)."""
+        for w in [w for w in self._waiting.values() if w.weight_version not in kept]:
+            del self._waiting[w.key]
+            self.waiting_bytes -= w.nbytes
+            if self._sink.retire(w.key):
+                self.version_retired += 1
+
     def _retire(self, w: _Waiting) -> None:
         self.waiting_bytes -= w.nbytes
-        if self._sink.retire(w.key):  # False: fetched already
+        if self._sink.retire(w.key):  # False: released already
             self.expired += 1
 
     def close(self) -> None:
         """Remove everything still waiting (the engine stops)."""
-        if self._sink.transport == "mooncake":
+        if self._sink.transport == "mooncake":  # the host sink's close does
             for key in self._waiting:
                 self._sink.retire(key)
         self._waiting.clear()

@@ -114,6 +114,10 @@ class ArtifactSchedulerConnector(TerminalOutputs):
         self._weight_version = "default"
         self._cache_epoch = 0
         self._version_at_reset = self._weight_version
+        # The last ref_versions_kept weight versions: references of older
+        # ones are removed when a new one is set.
+        self._ref_versions: list[str] = [self._weight_version]
+        self._ref_versions_kept = cfg.ref_versions_kept
         self._step_empty = False
         self._records: dict[str, RequestRecord] = {}
         # Where blocks whose routes are lost are dropped from the prefix
@@ -242,7 +246,17 @@ class ArtifactSchedulerConnector(TerminalOutputs):
         if version != self._weight_version:
             self._weight_version = version
             self._cache_epoch = 0
+            self._retire_ref_versions(version)
         self._send_version()
+
+    def _retire_ref_versions(self, version: str) -> None:
+        kept = self._ref_versions_kept
+        if not kept:
+            return
+        versions = [v for v in self._ref_versions if v != version] + [version]
+        self._ref_versions = versions[-kept:]
+        if len(versions) > kept:
+            self._handoff.retire_versions(tuple(self._ref_versions))
 
     def reset(self) -> None:
         """The prefix cache was reset (after a weight update, in RL loops):

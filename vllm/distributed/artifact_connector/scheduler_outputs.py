@@ -30,7 +30,7 @@ from vllm.distributed.artifact_connector.protocol import (
     ArtifactWorkerReport,
     Release,
 )
-from vllm.distributed.artifact_connector.request_core import RowsRead
+from vllm.distributed.artifact_connector.request_core import RowsRead, row_versions
 from vllm.distributed.artifact_connector.route_handoff import Handoff, RouteHandoff
 from vllm.distributed.artifact_connector.route_reader import RouteRead, RouteReader
 from vllm.distributed.artifact_connector.route_refs import RouteRefPublishError
@@ -123,6 +123,8 @@ class TerminalOutputs:
                 # finish completed): cut there.
                 record.phase = Phase.READING
                 record.deadline = now + READ_TIMEOUT_S
+                if record.as_ref:
+                    record.weight_version = row_versions(ack.refs.weight_versions)
                 reads.append(
                     RouteRead(
                         ack.req_id,
@@ -217,6 +219,7 @@ class TerminalOutputs:
                         res.rows,
                         record.first_row,
                         record.deadline,
+                        record.weight_version,
                     )
                 )
                 continue

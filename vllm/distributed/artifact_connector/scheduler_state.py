@@ -83,6 +83,8 @@ class RequestRecord:
     deadline: float = 0.0
     # The read's reader time, for a request handed out by reference.
     read_s: float = 0.0
+    # By reference: the weight versions its rows were computed under.
+    weight_version: str = ""
     output: EngineCoreOutput | None = None
 
 
