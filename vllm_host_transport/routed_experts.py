@@ -48,7 +48,7 @@ import msgspec
 import numpy as np
 import xxhash  # type: ignore[import-not-found,unused-ignore]
 
-from vllm_host_transport.routes_format import FORMAT
+from vllm_host_transport.routes_format import FORMAT, EncodedRoutes
 
 #: The host-transport edge an engine hands routes on: (from, to).
 EDGE = ("vllm-engine", "routed-experts")
@@ -140,6 +140,42 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
     key_space: str = ""
     """The engine's ``key_space`` (routes shared through a Mooncake Store),
     empty without one."""
+
+    @classmethod
+    def for_payload(
+        cls,
+        payload: EncodedRoutes,
+        *,
+        transport: str,
+        location: str,
+        key: str,
+        prompt_start: int = 0,
+        weight_version: str = "",
+        key_space: str = "",
+    ) -> RoutedExpertsRef:
+        """The reference to ``payload`` (``routes_format.encode``'s) stored
+        under ``key`` at ``location``: what an engine hands out."""
+        layers, rows, top_k = payload.body.shape
+        return cls(
+            transport=transport,
+            location=location,
+            key=key,
+            shape=(rows, layers, top_k),
+            dtype=payload.body.dtype.name,
+            nbytes=payload.body.nbytes,
+            checksum=payload.header_digest_hex("xxh3_64"),
+            prompt_start=prompt_start,
+            sha256=(
+                payload.header_digest_hex("sha256")
+                if payload.digest == "sha256"
+                else ""
+            ),
+            format=FORMAT,
+            header_nbytes=len(payload.header),
+            block_rows=payload.block_rows,
+            weight_version=weight_version,
+            key_space=key_space,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The reference as JSON values (what HTTP responses carry)."""

@@ -56,7 +56,7 @@ from vllm_host_transport import (
 )
 from vllm_host_transport.discovery import collect_abandoned_scopes
 from vllm_host_transport.routed_experts import RoutedExpertsRef
-from vllm_host_transport.routes_format import FORMAT, EncodedRoutes, encode
+from vllm_host_transport.routes_format import EncodedRoutes, encode
 
 if TYPE_CHECKING:
     from vllm.config.artifact import ArtifactConfig
@@ -244,21 +244,12 @@ class RouteRefs:
         )
         self.waiting_bytes += payload.nbytes
         self.published += 1
-        return RoutedExpertsRef(
+        return RoutedExpertsRef.for_payload(
+            payload,
             transport=self._sink.transport,
             location=self._sink.location,
             key=key,
-            shape=(rows.shape[0], rows.shape[1], rows.shape[2]),
-            dtype=rows.dtype.name,
-            nbytes=payload.body.nbytes,
-            checksum=payload.header_digest_hex("xxh3_64"),
             prompt_start=prompt_start,
-            sha256=(
-                payload.header_digest_hex("sha256") if self._digest == "sha256" else ""
-            ),
-            format=FORMAT,
-            header_nbytes=len(payload.header),
-            block_rows=payload.block_rows,
             weight_version=weight_version,
             key_space=self._key_space,
         )
