@@ -19,6 +19,9 @@ PIP := $(VPY) -m pip --disable-pip-version-check
 # every line, which must not hide pip's status (the recipes use pipefail).
 PIP_FILTER := { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
 LINT_PATHS := vllm vllm_host_transport tests tools benchmarks setup.py
+# megatron-core for the tests of the Megatron router-replay helper, installed
+# without its dependencies (torch, numpy, packaging come with the base).
+MEGATRON_CORE := megatron-core==0.16.1
 # make serve: MODEL defaults to the demo's tiny MoE; ARGS go to `vllm serve`.
 MODEL ?=
 ARGS ?=
@@ -71,6 +74,7 @@ $(DEPS_STAMP): $(REQUIREMENTS) requirements/fork.txt requirements/dev.txt
 			"torch==2.13.0+cpu, take it from PyTorch's CPU index:" \
 			"make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu" >&2; fi; \
 		exit $$status; fi; \
+	$(PIP) install -q --no-deps $(MEGATRON_CORE) 2>&1 | $(PIP_FILTER); \
 	if [ "$(BASE)" = cpu ]; then \
 		echo "[setup] removing CUDA-linked torchvision/torchaudio/torchcodec (text models need none)"; \
 		$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER); fi; \
