@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer ranks reading their slices of the same references (issue 38).
+
+A real ``vllm serve`` of an 8-layer tiny MoE whose layers 0 and 5 are
+dense hands out references (once over the host transport, once through a
+real ``mooncake_master``); 8 trainer processes (4 pipeline stages x 2
+data-parallel halves, ``tests/utils/slice_readers.py``, importing
+``vllm_host_transport`` only) read them at once, each the MoE layers of its
+stage (taken from the model's config) of the references of its half,
+packed, layer-major, int64. Every slice must equal the same slice of
+transformers' router in float32 and of the inline routes of the same
+request; each rank must read exactly its bytes plus the headers; the last
+stage of each half removes what it read, after which a read fails at once
+with ``RouteRefMissingError``. References carry the weight version the
+rows were computed under, and those of retired versions go."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from utils.oracle import expected_r3
+from utils.r3 import PROMPTS, http_post, r3_server, serve_flags, shm_root
+
+pytestmark = pytest.mark.engine
+
+STAGES, HALVES = 4, 2
+DENSE = (0, 5)
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def model8():
+    from build_tiny_moe import TinyMoEParams, build
+    from harness_env import CACHE
+
+    params = TinyMoEParams(layers=8, dense_layers=list(DENSE))
+    return build(CACHE / "models" / "tiny-moe-8l-dense", params)
+
+
+@pytest.fixture(scope="module", params=["host", "mooncake"])
+def server(request, model8):
+    root = shm_root()
+    artifact: dict = dict(routed_experts_format="ref", ref_versions_kept=2)
+    with contextlib.ExitStack() as stack:
+        if request.param == "mooncake":
+            pytest.importorskip(
+                "mooncake.store",
+                reason="Mooncake's client is installed by `make setup`",
+            )
+            from utils.mooncake import running_master
+
+            master = stack.enter_context(running_master("mooncake-master-slices"))
+            artifact.update(
+                ref_transport="mooncake",
+                mooncake_master=master.address,
+                mooncake_segment_bytes=64 << 20,
+                mooncake_buffer_bytes=32 << 20,
+            )
+        flags = serve_flags(root, **artifact)
+        with r3_server(
+            model8, flags, root, f"test-r3-slices-{request.param}.log"
+        ) as srv:
+            srv.transport = request.param
+            yield srv
+
+
+def _complete(server, prompt: str, **kw) -> dict:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
+    status, out = http_post(server.base_url, "/v1/completions", body)
+    assert status == 200, out
+    return out["choices"][0]
+
+
+def _read_slices(tmp_path: Path, refs: list[dict], model, release: bool) -> list:
+    job = {
+        "refs": refs,
+        "config": str(model),
+        "stages": STAGES,
+        "halves": HALVES,
+        "out": str(tmp_path),
+        "release": release,
+    }
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["MC_FORCE_TCP"] = "true"
+    done = subprocess.run(
+        [sys.executable, str(HERE / "utils" / "slice_readers.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_eight_ranks_read_their_slices_at_once(server, model8, tmp_path):
+    from vllm_host_transport.routed_experts import RouteRefMissingError
+    from vllm_host_transport.routes_reader import read
+
+    prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(6)]
+    choices = [_complete(server, p) for p in prompts]
+    inline = [
+        _complete(server, p, routed_experts_format="inline")["routed_experts"]
+        for p in prompts
+    ]
+    refs = [c["routed_experts_ref"] for c in choices]
+    want = [expected_r3(model8, c["prompt_token_ids"], c["token_ids"]) for c in choices]
+    for ref in refs:
+        assert ref["weight_version"] == "default" and ref["format"] == 2
+    answers = _read_slices(tmp_path, refs, model8, release=True)
+    assert len(answers) == STAGES * HALVES
+    seen_layers: set[int] = set()
+    for a in answers:
+        assert "error" not in a, a
+        assert a["loaded"] == [], f"a trainer rank imported {a['loaded']}"
+        got = np.load(tmp_path / f"rank-{a['stage']}-{a['half']}.npz")
+        layers = [int(x) for x in got["layers"]]
+        assert not set(layers) & set(DENSE)
+        seen_layers |= set(layers)
+        mine = list(range(a["half"], len(refs), HALVES))
+        cu = got["cu_seqlens"]
+        expected_bytes = 0
+        for b, i in enumerate(mine):
+            rows = got["routes"][:, cu[b] : cu[b + 1]]  # [layers, T, K]
+            assert rows.dtype == np.int64
+            np.testing.assert_array_equal(rows, want[i][:, layers].transpose(1, 0, 2))
+            np.testing.assert_array_equal(
+                rows, _decode_inline(inline[i])[:, layers].transpose(1, 0, 2)
+            )
+            ref = refs[i]
+            expected_bytes += (
+                ref["header_nbytes"] + len(layers) * ref["nbytes"] // ref["shape"][1]
+            )
+        # Exactly its layers' rows and the headers: nothing more was read.
+        assert a["bytes_read"] == expected_bytes
+        assert a["bytes_avoided"] == sum(refs[i]["nbytes"] for i in mine) - (
+            expected_bytes - sum(refs[i]["header_nbytes"] for i in mine)
+        )
+    assert seen_layers == set(range(8)) - set(DENSE)
+    # The last stage of each half removed its references.
+    assert sum(a["removed"] for a in answers) == len(refs)
+    for ref in refs:
+        start = time.monotonic()
+        with pytest.raises(RouteRefMissingError):
+            read(ref, timeout_s=5.0)
+        assert time.monotonic() - start < 1.0
+
+
+def _decode_inline(value) -> np.ndarray:
+    import base64
+    import io
+
+    return np.load(io.BytesIO(base64.b64decode(value)))
+
+
+def test_weight_versions_travel_and_old_ones_retire(server, model8):
+    from vllm_host_transport.routed_experts import RouteRefMissingError
+    from vllm_host_transport.routes_reader import read, release
+
+    def update(version: str) -> None:
+        status, out = http_post(
+            server.base_url, "/update_weight_version", {"new_version": version}
+        )
+        assert status == 200, out
+
+    old = _complete(server, PROMPTS[1])["routed_experts_ref"]
+    update("step-1")
+    one = _complete(server, PROMPTS[2])["routed_experts_ref"]
+    assert one["weight_version"] == "step-1"
+    read(old)  # two versions are kept: both still readable
+    update("step-2")
+    two = _complete(server, PROMPTS[3])["routed_experts_ref"]
+    assert two["weight_version"] == "step-2"
+    # The first version left the last two: its references go (on the
+    # hand-off thread, at once).
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            read(old)
+        except RouteRefMissingError:
+            break
+        assert time.monotonic() < deadline, "old version's reference still readable"
+        time.sleep(0.1)
+    read(one)
+    read(two)
+    # The driver's release: gone for every reader, at once.
+    assert release([one, two]) == 2
+    for ref in (one, two):
+        with pytest.raises(RouteRefMissingError):
+            read(ref)
+    assert release([one]) == 0  # releasing twice is not an error

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer ranks reading their slices of the same references at once.
+
+``python slice_readers.py JOB.json`` (run on the engine's node, or on
+another simulated node for Mooncake references) starts ``stages x halves``
+processes that import ``vllm_host_transport`` only. The job names the
+references, the model's config (for each pipeline stage's MoE layers), the
+number of pipeline stages and data-parallel halves, and an output
+directory. Rank ``(stage, half)`` reads the references of its half
+(``refs[half::halves]``), the MoE layers of its stage, all rows, packed and
+layer-major as int64 (what a replay takes), all ranks released together by
+a barrier; it saves its array, ``cu_seqlens`` and its layers to
+``OUT/rank-<stage>-<half>.npz`` and, with ``"release": true``, marks itself
+done (``reader=stage, readers=stages``: the last stage of a half removes
+its references). Prints one JSON line: each rank's error (if any), bytes
+read and seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+
+
+def _rank(job: dict, stage: int, half: int, barrier, queue) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from vllm_host_transport.routes_layers import moe_layers_of_stage
+    from vllm_host_transport.routes_reader import read_batch, release, stats
+
+    answer: dict = {"stage": stage, "half": half}
+    try:
+        refs = job["refs"][half :: job["halves"]]
+        layers = moe_layers_of_stage(job["config"], stage, job["stages"])
+        barrier.wait(timeout=60)
+        start = time.perf_counter()
+        routes, cu = read_batch(
+            refs, layers=layers, dtype="int64", packed=True, layer_major=True
+        )
+        answer["seconds"] = time.perf_counter() - start
+        np.savez(
+            f"{job['out']}/rank-{stage}-{half}.npz",
+            routes=routes,
+            cu_seqlens=cu,
+            layers=np.array(layers, np.int64),
+        )
+        answer.update(stats())
+        if job.get("release"):
+            barrier.wait(timeout=60)  # every rank read before any releases
+            answer["removed"] = release(refs, reader=stage, readers=job["stages"])
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch"))
+        answer["loaded"] = loaded
+    except BaseException as e:  # reported, the parent decides
+        answer["error"] = f"{type(e).__name__}: {e}"
+        barrier.abort()
+    queue.put(answer)
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        job = json.load(f)
+    ctx = mp.get_context("spawn")
+    ranks = [(s, h) for h in range(job["halves"]) for s in range(job["stages"])]
+    barrier = ctx.Barrier(len(ranks))
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank, args=(job, s, h, barrier, queue)) for s, h in ranks
+    ]
+    for p in procs:
+        p.start()
+    answers = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    print(json.dumps(sorted(answers, key=lambda a: (a["half"], a["stage"]))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
