@@ -55,7 +55,7 @@ _NO_BOOT = "0" * 16
 # connector to close removes): the stamp, rings, producers' registrations,
 # per-key segments and their lock files, files being built.
 _OWN_NAME_RE = re.compile(
-    r"^(stamp|ring-[0-9a-f-]+|member-[0-9a-f-]+|[0-9a-f]{32}\.(seg|lock)"
+    r"^(stamp|ring-[0-9a-f-]+|member-[0-9a-f-]+|[0-9a-f]{32}\.(seg|lock|rdm)"
     r"|\.tmp-[0-9a-zA-Z.-]+)$"
 )
 # A fallback scope, ``<scope>~<16 hex>``: its directory is ``<scope>``'s plus
