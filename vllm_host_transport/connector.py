@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_host_transport import ring as ringmod
@@ -53,8 +54,9 @@ from vllm_host_transport.discovery import (
     check_platform,
     self_identity,
 )
+from vllm_host_transport.readmany import ReadablePublisher
 from vllm_host_transport.receiver import Receiver
-from vllm_host_transport.sender import Sender
+from vllm_host_transport.sender import MAX_TRACKED_KEYS, Sender
 from vllm_host_transport.shared import Shared
 
 # A child of vLLM's "vllm" logger (a name only: nothing is imported), so in a
@@ -76,6 +78,7 @@ class HostTransportConnector:
         self._shared: Shared | None = None
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
+        self._readables: ReadablePublisher | None = None
         check_platform()
         self.config = config if config is not None else HostTransportConfig()
         self.scope_name = self.config.resolved_scope()
@@ -122,6 +125,12 @@ class HostTransportConnector:
             )
         self._sender = Sender(self._shared)
         self._receiver = Receiver(self._shared)
+        self._readables = ReadablePublisher(
+            self._shared,
+            self._sender.ensure_registered,
+            MAX_TRACKED_KEYS,
+            self.config.max_payload_bytes,
+        )
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -133,7 +142,8 @@ class HostTransportConnector:
 
     def close(self) -> None:
         """Release everything: withdraws this connector's payloads that no
-        receiver took (its rings and per-key segments), and removes the
+        receiver took (its rings and per-key segments) and its read-many
+        objects, and removes the
         scope directory when it is the last connector of the scope.
         Idempotent. In a forked child it only drops the child's mappings."""
         shared = getattr(self, "_shared", None)
@@ -149,6 +159,10 @@ class HostTransportConnector:
             if receiver is not None:
                 receiver.drop_mappings()
         else:
+            # Read-many objects first: the registration (sender.close)
+            # names their producer to a sweep until they are gone.
+            if self._readables is not None:
+                self._readables.close()
             if sender is not None:
                 sender.close()
             if receiver is not None:
@@ -208,6 +222,41 @@ class HostTransportConnector:
         sender = self._send_side()
         sender.heartbeat()
         return sender.taken()
+
+    # ----------------------------------------------------- read-many objects
+    def put_readable(self, key: str, parts: Sequence[Any]) -> bool:
+        """Publish the concatenation of ``parts`` (bytes, memoryviews,
+        C-contiguous numpy arrays) as the read-many object ``key``: any
+        number of processes read byte ranges of it
+        (:func:`.readmany.open_readable`) until this connector withdraws it
+        or closes, the driver removes it (:func:`.readmany.remove_readable`)
+        or the last of its readers releases it. Visible whole or not at
+        all. False (logged once per kind of failure; counted in
+        ``health()``) when it could not be published: a full mount, larger
+        than ``max_payload_bytes``, a closed connector, or ``key`` published
+        already (one publication per key: withdraw it first)."""
+        if self._readables is None:
+            return False
+        return self._readables.put(key, parts)
+
+    def withdraw_readable(self, key: str) -> bool:
+        """Remove this connector's read-many object ``key`` now: True if
+        this call removed it. Readers that have it open keep reading it."""
+        readables = self._readables
+        return readables is not None and readables.withdraw(key)
+
+    def readables_gone(self, keys: Iterable[str]) -> list[str]:
+        """Those of ``keys`` whose read-many object of this connector is no
+        longer there (released by its readers, removed by the driver or a
+        sweep); they are not tracked any more. One listing of the scope:
+        call it now and then (the engine: once a second), not per key."""
+        readables = self._readables
+        if readables is None:
+            return []
+        sender = self._sender
+        if sender is not None:
+            sender.heartbeat()
+        return readables.gone(keys)
 
     def remove_dead(self) -> int:
         """Remove what producers of the scope that died since the last look
@@ -340,4 +389,9 @@ _STATS = (
     "evicted",
     "dead_producers_swept",
     "dead_segments_removed",
+    "readable_puts",
+    "readable_put_failures",
+    "readables_withdrawn",
+    "readables_evicted",
+    "dead_readables_removed",
 )

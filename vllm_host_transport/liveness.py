@@ -31,7 +31,7 @@ import re
 import threading
 import time
 
-from vllm_host_transport import perkey
+from vllm_host_transport import perkey, readmany
 from vllm_host_transport.discovery import (
     ORIGIN_RE,
     RING_NAME_RE,
@@ -68,6 +68,13 @@ def _producer(name: str) -> ProducerId | None:
     if m is not None:
         return ProducerId.parse(*m.groups())
     return None
+
+
+def _remove_readable(fd: int, name: str) -> bool:
+    try:
+        return readmany.remove_object(fd, name, 0.0)
+    except (OSError, HostTransportError):
+        return False
 
 
 class Liveness:
@@ -156,7 +163,7 @@ class Liveness:
     def _sweep(self, scope: ScopeDir, dead: set[ProducerId]) -> None:
         fd = scope.fd
         members = []
-        segments = 0
+        segments = readables = 0
         for name in os.listdir(fd):
             p = _producer(name)
             if p is not None:
@@ -175,6 +182,14 @@ class Liveness:
                 and perkey.remove_segment(fd, name[:-4], 0.0) is True
             ):
                 segments += 1
+            elif (
+                # Only tried, as above: a reader releasing it holds the lock
+                # for a few calls; the next sweep retries.
+                name.endswith(readmany.SUFFIX)
+                and readmany.object_producer(fd, name) in dead
+                and _remove_readable(fd, name)
+            ):
+                readables += 1
         for name in members:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=fd)
@@ -187,6 +202,7 @@ class Liveness:
             scope.advance_stamp(wait=False)
         self._stats["dead_producers_swept"] += len(dead)
         self._stats["dead_segments_removed"] += segments
+        self._stats["dead_readables_removed"] += readables
 
     def close(self, wait: bool = True) -> None:
         """Stop looking. ``wait``: for a look in progress, as the scope's

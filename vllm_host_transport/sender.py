@@ -265,6 +265,17 @@ class Sender:
             except OSError:
                 pass
 
+    def ensure_registered(self) -> None:
+        """Register this producer in the scope before its first read-many
+        object (as before a first payload), or refresh a minute-old
+        registration: what tells a looker whose leftovers they are."""
+        with self._lock:
+            scope = self._shared.check_open()
+            if self._member is None:
+                self._register(scope)
+            elif time.monotonic() - self._heartbeat_at >= HEARTBEAT_S:
+                self._heartbeat(scope)
+
     def heartbeat(self) -> None:
         """Refresh the registration if the last refresh is a minute old."""
         if time.monotonic() - self._heartbeat_at < HEARTBEAT_S:
