@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import subprocess
-import sys
 
 import pytest
-from utils.shm_ns import skip_unless_private_shm, small_shm_argv
+from utils.shm_ns import run_python_in_small_shm, skip_unless_private_shm
 
 PIN_CHILD = r"""
 import json, os, secrets
 import numpy as np
 from vllm_host_transport import HostTransportConfig, HostTransportConnector
-from vllm_host_transport import routed_experts
-from vllm_host_transport.routed_experts import (
-    EDGE, RoutedExpertsRef, checksum_hex, fetch)
+from vllm_host_transport import routed_experts, routes_format
+from vllm_host_transport.routed_experts import RoutedExpertsRef, fetch
+from vllm_host_transport.routes_reader import release
 
 def used_mib():
     st = os.statvfs("/dev/shm")
@@ -33,52 +30,53 @@ out = {"start": used_mib()}
 refs, want = [], []
 for i in range(4):
     rows = np.full(((16 << 20) // 384, 48, 8), i, np.uint8)
+    payload = routes_format.encode(rows)
     key = secrets.token_hex(16)
-    assert conn.put(EDGE[0], EDGE[1], key, rows)[0]
-    refs.append(RoutedExpertsRef(transport="host", location=conn.scope_name,
-        key=key, shape=rows.shape, dtype="uint8", nbytes=rows.nbytes,
-        checksum=checksum_hex(rows.reshape(-1))))
+    assert conn.put_readable(key, payload.parts)
+    refs.append(RoutedExpertsRef.for_payload(
+        payload, transport="host", location=conn.scope_name, key=key))
     want.append(rows)
 out["waiting"] = used_mib()
 held = [fetch(r) for r in refs]  # the trainer keeps its batch
-out["taken"] = len(conn.taken())
+again = [fetch(r) for r in refs]  # another rank reads the same payloads
+out["read"] = used_mib()  # read-many: the payloads stay until released
+out["exact"] = all((h == w).all() and (a == w).all()
+                   for h, a, w in zip(held, again, want))
+out["released"] = release(refs)
 out["held"] = used_mib()
-out["exact"] = all((h == w).all() for h, w in zip(held, want))
-held[0][0, 0, 0] = 99  # writable
-out["writable"] = True
-del held
-out["dropped"] = used_mib()
+out["still_exact"] = all((h == w).all() for h, w in zip(held, want))
+held[0][0, 0, 0] = 99  # writable, and not the other rank's array
+out["own"] = bool(again[0][0, 0, 0] == 0)
+del held, again
 conn.close()
 routed_experts.close()
 print(json.dumps(out))
 """
 
 
-def _run_in_small_shm(size: str, code: str) -> dict:
-    r = subprocess.run(
-        small_shm_argv(size, f"{sys.executable} -c {shlex.quote(code)}"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "VLLM_HOST_TRANSPORT_SCOPE": ""},
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def test_fetched_arrays_do_not_pin_dev_shm():
-    """r5 M6: once fetched, a payload's bytes leave ``/dev/shm`` while the
-    trainer still holds the arrays (they are the trainer's own memory)."""
+    """r5 M6: a fetched array is the trainer's own memory: once its payload
+    is released, the payload's bytes leave ``/dev/shm`` while the trainer
+    still holds the arrays (the reader copies the ranges out; nothing
+    stays mapped)."""
     skip_unless_private_shm()
-    out = _run_in_small_shm("128m", PIN_CHILD)
+    r = run_python_in_small_shm("128m", PIN_CHILD)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["waiting"] - out["start"] >= 60, out  # 4 x 16 MiB waiting
-    assert out["taken"] == 4 and out["exact"] is True, out
-    # Held arrays: /dev/shm back to (about) where it started; the ring
-    # (4 MiB, preallocated) and the stamp page may remain.
-    assert out["held"] - out["start"] <= 5, out
+    assert out["read"] - out["start"] >= 60, out  # reading removes nothing
+    assert out["exact"] is True and out["released"] == 4, out
+    # Held arrays, payloads released: /dev/shm back to (about) where it
+    # started (the producer's registration and the scope remain).
+    assert out["held"] - out["start"] <= 2, out
+    assert out["still_exact"] is True and out["own"] is True, out
 
 
 def _ref_fields(**over) -> dict:
+    """A well-formed reference's fields (nothing stored behind it), with
+    ``over`` replaced."""
+    from vllm_host_transport.routes_format import FORMAT
+
     fields = dict(
         transport="host",
         location="x",
@@ -87,9 +85,20 @@ def _ref_fields(**over) -> dict:
         dtype="uint8",
         nbytes=1,
         checksum="0" * 16,
+        format=FORMAT,
+        header_nbytes=64,
+        block_rows=1024,
     )
     fields.update(over)
     return fields
+
+
+def test_the_base_reference_is_well_formed():
+    """What the malformed cases below change is the only fault in them."""
+    from vllm_host_transport.routed_experts import RoutedExpertsRef, as_ref
+
+    ref = as_ref(RoutedExpertsRef(**_ref_fields()))
+    assert ref == RoutedExpertsRef(**_ref_fields())
 
 
 @pytest.mark.parametrize(
@@ -101,6 +110,8 @@ def _ref_fields(**over) -> dict:
         _ref_fields(shape=("1", 1, 1)),
         _ref_fields(prompt_start=None),
         _ref_fields(key=None),
+        _ref_fields(header_nbytes=100),
+        _ref_fields(block_rows=0),
     ],
     ids=[
         "2-d shape",
@@ -109,6 +120,8 @@ def _ref_fields(**over) -> dict:
         "str row",
         "None start",
         "None key",
+        "unaligned header",
+        "no block rows",
     ],
 )
 def test_a_malformed_struct_is_a_typed_error(fields):
@@ -124,12 +137,28 @@ def test_a_malformed_struct_is_a_typed_error(fields):
         fetch(RoutedExpertsRef(**fields))
 
 
-def test_stale_locations_create_nothing_and_the_cache_is_bounded():
+def test_a_take_once_reference_is_refused_naming_the_release():
+    """A reference of an engine before read-many references (stored form
+    1, a whole array taken once) is refused, typed, saying why."""
+    from vllm_host_transport.routed_experts import RouteRefInvalidError, fetch
+
+    with pytest.raises(RouteRefInvalidError, match="stored form 1"):
+        fetch(_ref_fields(format=1))
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_stale_locations_create_nothing_and_fetch_holds_nothing():
     """r5 L5: fetching references to scopes that do not exist (an engine
-    long gone, another node's) creates no directory and keeps no connector;
-    fetches from many live scopes keep a bounded number of connectors."""
+    long gone, another node's) creates no directory and answers at once.
+    A fetch keeps nothing between calls (no connector, no descriptor), so
+    fetches from many live scopes leave nothing open and every scope goes
+    with its producer."""
     import glob
     import secrets
+    import time
     import uuid
 
     import numpy as np
@@ -137,44 +166,47 @@ def test_stale_locations_create_nothing_and_the_cache_is_bounded():
     from vllm_host_transport import HostTransportConfig, HostTransportConnector
     from vllm_host_transport import routed_experts as client
     from vllm_host_transport.routed_experts import (
-        EDGE,
         RoutedExpertsRef,
         RouteRefMissingError,
-        checksum_hex,
         fetch,
     )
+    from vllm_host_transport.routes_format import encode
 
     client.close()
     before = set(glob.glob(f"/dev/shm/vllm-ht-{os.getuid()}-*"))
+    fds = _open_fds()
     for i in range(5):
-        ref = _ref_fields(location=f"gone-engine-{uuid.uuid4().hex}~{i:016x}")
-        with pytest.raises(RouteRefMissingError):
-            fetch(ref)
-        with pytest.raises(RouteRefMissingError):
-            fetch(_ref_fields(location=f"gone-engine-{uuid.uuid4().hex}"))
+        for location in (
+            f"gone-engine-{uuid.uuid4().hex}~{i:016x}",
+            f"gone-engine-{uuid.uuid4().hex}",
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(RouteRefMissingError):
+                fetch(_ref_fields(location=location))
+            assert time.monotonic() - t0 < 0.5
     assert set(glob.glob(f"/dev/shm/vllm-ht-{os.getuid()}-*")) == before
-    assert len(client._connectors) == 0
+    assert _open_fds() == fds
 
     producers = [
         HostTransportConnector(HostTransportConfig(scope=f"many-{uuid.uuid4().hex}"))
-        for _ in range(client.MAX_CONNECTORS + 4)
+        for _ in range(20)
     ]
     try:
         rows = np.arange(48, dtype=np.uint8).reshape(2, 24, 1)
+        payload = encode(rows)
+        refs = []
         for p in producers:
             key = secrets.token_hex(16)
-            assert p.put(EDGE[0], EDGE[1], key, rows)[0]
-            ref = RoutedExpertsRef(
-                transport="host",
-                location=p.scope_name,
-                key=key,
-                shape=rows.shape,
-                dtype="uint8",
-                nbytes=rows.nbytes,
-                checksum=checksum_hex(rows.reshape(-1)),
+            assert p.put_readable(key, payload.parts)
+            refs.append(
+                RoutedExpertsRef.for_payload(
+                    payload, transport="host", location=p.scope_name, key=key
+                )
             )
+        fds = _open_fds()
+        for ref in refs:
             assert (fetch(ref) == rows).all()
-            assert len(client._connectors) <= client.MAX_CONNECTORS
+        assert _open_fds() == fds
     finally:
         client.close()
         for p in producers:
