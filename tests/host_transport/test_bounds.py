@@ -4,7 +4,7 @@
 fresh private one, nothing a producer published outlives it (a clean close
 withdraws it, a SIGKILLed producer's leftovers go with the next connector
 or receive in the scope), the tracked keys are a bound that is enforced,
-and a fetch of a missing reference answers at once. Real processes, the
+and a fetch of a released or missing reference answers at once. Real processes, the
 real /dev/shm."""
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from vllm_host_transport.routed_experts import (
     RoutedExpertsRef,
     RouteRefMissingError,
     RouteRefTransportError,
-    checksum_hex,
     fetch,
 )
 from vllm_host_transport.routed_experts import close as close_fetch
+from vllm_host_transport.routes_format import encode
+from vllm_host_transport.routes_reader import release
 from vllm_host_transport.shared import edge_hex, key_hash, seg_name
 
 from . import helpers
@@ -109,15 +110,16 @@ def squatted(scope):
 
 
 def _ref(location: str, key: str, rows: np.ndarray) -> dict:
-    return RoutedExpertsRef(
-        transport="host",
-        location=location,
-        key=key,
-        shape=rows.shape,
-        dtype=rows.dtype.name,
-        nbytes=rows.nbytes,
-        checksum=checksum_hex(rows.reshape(-1).view(np.uint8)),
+    """The reference to ``rows`` stored under ``key`` at ``location`` (as
+    JSON: what a trainer gets)."""
+    return RoutedExpertsRef.for_payload(
+        encode(rows), transport="host", location=location, key=key
     ).to_json()
+
+
+def _publish(conn: HostTransportConnector, key: str, rows: np.ndarray) -> dict:
+    assert conn.put_readable(key, encode(rows).parts)
+    return _ref(conn.scope_name, key, rows)
 
 
 # ------------------------------------------------------ squatted scope
@@ -144,13 +146,16 @@ def test_a_squatted_scope_falls_back_to_a_fresh_private_one(
         assert path in warning and repr(new) in warning
         if kind == "other-owner":
             assert "nobody" in warning or str(NOBODY) in warning
-        # The consumer needs the scope name only (what a reference carries).
+        # The consumer needs the scope name only (what a reference carries),
+        # as often as it reads.
         rows = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
         big = np.ones((BIG // 12, 3, 4), dtype=np.uint8)
-        assert prod.put(*EDGE, "a" * 32, rows)[2]["plane"] == "ring"
-        assert prod.put(*EDGE, "b" * 32, big)[2]["plane"] == "key"
-        np.testing.assert_array_equal(fetch(_ref(new, "a" * 32, rows)), rows)
-        np.testing.assert_array_equal(fetch(_ref(new, "b" * 32, big)), big)
+        small_ref = _publish(prod, "a" * 32, rows)
+        big_ref = _publish(prod, "b" * 32, big)
+        assert small_ref["location"] == new
+        for _ in range(2):
+            np.testing.assert_array_equal(fetch(small_ref), rows)
+            np.testing.assert_array_equal(fetch(big_ref), big)
     finally:
         close_fetch()
         prod.close()
@@ -164,9 +169,12 @@ def _scope_dir(scope: str) -> str:
 
 def test_fetch_from_a_squatted_scope_is_a_route_ref_error(scope, squatted):
     squatted("other-owner")
-    rows = np.zeros((1, 1, 1), np.uint8)
+    ref = _ref(scope, "c" * 32, np.zeros((1, 1, 1), np.uint8))
     with pytest.raises(RouteRefTransportError, match="owned by uid"):
-        fetch(_ref(scope, "c" * 32, rows))
+        fetch(ref)
+    for how in ({}, {"reader": 0, "readers": 2}):  # the driver's, a rank's
+        with pytest.raises(RouteRefTransportError, match="owned by uid"):
+            release([ref], **how)
     close_fetch()
 
 
@@ -363,17 +371,39 @@ def test_taken_reports_what_receivers_took(make_conn, ring_bytes):
 
 
 # ------------------------------------------------- missing: at once
-def test_a_missing_reference_answers_at_once(scope):
+def _missing_at_once(ref: dict) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RouteRefMissingError):
+        fetch(ref, timeout_s=1.0)
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_a_released_or_missing_reference_answers_at_once(scope):
+    """Fetches read a payload as often as asked until it is released: by
+    the driver, or by the last of its readers; then a fetch raises
+    ``RouteRefMissingError`` at once, as it does for a key never there.
+    Releasing a payload that is gone already is not an error."""
     prod = _conn(scope)
     rows = np.arange(12, dtype=np.uint8).reshape(1, 3, 4)
     try:
-        prod.put(*EDGE, "f" * 32, rows)
-        np.testing.assert_array_equal(fetch(_ref(scope, "f" * 32, rows)), rows)
-        for key in ("f" * 32, "0" * 32):  # fetched already; never there
-            t0 = time.monotonic()
-            with pytest.raises(RouteRefMissingError):
-                fetch(_ref(scope, key, rows), timeout_s=1.0)
-            assert time.monotonic() - t0 < 0.5
+        by_driver = _publish(prod, "f" * 32, rows)
+        by_ranks = _publish(prod, "e" * 32, rows)
+        for _ in range(3):
+            np.testing.assert_array_equal(fetch(by_driver), rows)
+        assert release([by_driver]) == 1
+        _missing_at_once(by_driver)
+        assert release([by_driver]) == 0
+
+        assert release([by_ranks], reader=1, readers=2) == 0
+        np.testing.assert_array_equal(fetch(by_ranks), rows)  # rank 0 reads on
+        assert release([by_ranks], reader=1, readers=2) == 0  # again: no effect
+        np.testing.assert_array_equal(fetch(by_ranks), rows)
+        assert release([by_ranks], reader=0, readers=2) == 1  # the last one
+        _missing_at_once(by_ranks)
+        assert release([by_ranks], reader=0, readers=2) == 0
+
+        _missing_at_once(_ref(scope, "0" * 32, rows))  # never there
+        assert not [n for n in os.listdir(prod.scope_dir) if n.endswith(".rdm")]
     finally:
         close_fetch()
         prod.close()
