@@ -4,10 +4,13 @@
 process (``python -m tests.host_transport.pidns_peer ...``) so a test can
 start it in another PID namespace.
 
-``produce <scope>``: puts one ring payload and two per-key payloads, prints
-``{"pid", "dir", "refs"}`` as one JSON line, then waits for a line on stdin
-before it closes. ``fetch <refs json>``: fetches each reference, printing
-one JSON line ``{"key": ..., "ok": bool, "error": ...}`` per reference.
+``produce <scope>``: publishes three read-many payloads (one small, two of
+3 MiB), prints ``{"pid", "dir", "refs"}`` as one JSON line, then waits for
+a line on stdin before it closes. ``fetch <refs json>``: fetches each
+reference, printing one JSON line ``{"key": ..., "ok": bool, "error": ...}``
+per reference (``ok``: the array is exactly what was published).
+``release <refs json>``: the driver's release of the references, printing
+``{"removed": n}``.
 """
 
 from __future__ import annotations
@@ -20,29 +23,27 @@ import sys
 import numpy as np
 
 
+def _rows(n: int) -> np.ndarray:
+    """What the producer publishes for a payload of ``n`` bytes (the
+    consumers compare against it)."""
+    return np.ascontiguousarray(
+        (np.arange(n, dtype=np.uint8) % 7)[: n // 8 * 8].reshape(-1, 8, 1)
+    )
+
+
 def produce(scope: str) -> None:
     from vllm_host_transport import HostTransportConfig, HostTransportConnector
-    from vllm_host_transport.routed_experts import EDGE, RoutedExpertsRef, checksum_hex
+    from vllm_host_transport.routed_experts import RoutedExpertsRef
+    from vllm_host_transport.routes_format import encode
 
     conn = HostTransportConnector(HostTransportConfig(scope=scope))
     refs = []
-    # One ring payload (a quarter of the 4 MiB ring at most) and two per-key
-    # segments.
     for n in (1000, 3 << 20, 3 << 20):
-        rows = np.ascontiguousarray(
-            (np.arange(n, dtype=np.uint8) % 7)[: n // 8 * 8].reshape(-1, 8, 1)
-        )
+        payload = encode(_rows(n))
         key = secrets.token_hex(16)
-        ok, _, _ = conn.put(EDGE[0], EDGE[1], key, rows)
-        assert ok
-        ref = RoutedExpertsRef(
-            transport="host",
-            location=conn.scope_name,
-            key=key,
-            shape=rows.shape,
-            dtype="uint8",
-            nbytes=rows.nbytes,
-            checksum=checksum_hex(rows.reshape(-1)),
+        assert conn.put_readable(key, payload.parts)
+        ref = RoutedExpertsRef.for_payload(
+            payload, transport="host", location=conn.scope_name, key=key
         )
         refs.append(ref.to_json())
     print(json.dumps({"pid": os.getpid(), "dir": conn.scope_dir, "refs": refs}))
@@ -58,14 +59,24 @@ def fetch(refs: list[dict]) -> None:
     for ref in refs:
         try:
             arr = fetch_ref(ref)
-            out = {"key": ref["key"], "ok": arr.nbytes == ref["nbytes"], "error": ""}
+            want = _rows(ref["nbytes"])
+            ok = arr.shape == want.shape and bool((arr == want).all())
+            out = {"key": ref["key"], "ok": ok, "error": ""}
         except RouteRefError as e:
             out = {"key": ref["key"], "ok": False, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(out), flush=True)
 
 
+def release(refs: list[dict]) -> None:
+    from vllm_host_transport.routes_reader import release as release_refs
+
+    print(json.dumps({"removed": release_refs(refs)}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "produce":
         produce(sys.argv[2])
+    elif sys.argv[1] == "release":
+        release(json.loads(sys.argv[2]))
     else:
         fetch(json.loads(sys.argv[2]))

@@ -41,8 +41,8 @@ def _skip_unless_pid_namespaces() -> None:
         pytest.skip(f"unshare --pid refused here: {r.stderr.strip()[:300]}")
 
 
-def _fetch(refs: list[dict], other_namespace: bool) -> list[dict]:
-    argv = [sys.executable, "-m", PEER, "fetch", json.dumps(refs)]
+def _peer(what: str, refs: list[dict], other_namespace: bool) -> list[dict]:
+    argv = [sys.executable, "-m", PEER, what, json.dumps(refs)]
     if other_namespace:
         argv = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
     r = subprocess.run(
@@ -52,9 +52,25 @@ def _fetch(refs: list[dict], other_namespace: bool) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines()]
 
 
+def _fetch(refs: list[dict], other_namespace: bool) -> list[dict]:
+    return _peer("fetch", refs, other_namespace)
+
+
+def _ok(refs: list[dict]) -> list[dict]:
+    return [{"key": r["key"], "ok": True, "error": ""} for r in refs]
+
+
+def _objects(scope_dir: str) -> list[str]:
+    return sorted(n for n in os.listdir(scope_dir) if n.endswith(".rdm"))
+
+
 def test_consumer_in_another_pid_namespace_leaves_live_producers_alone(
     scope: str,
 ) -> None:
+    """A trainer in another container cannot see the producer's pid: it
+    reads the payloads (as often as it likes) and removes nothing but what
+    it releases; the producer's other payloads and its registration stay,
+    and consumers of the producer's own namespace read them."""
     _skip_unless_pid_namespaces()
     producer = subprocess.Popen(
         [sys.executable, "-m", PEER, "produce", scope],
@@ -68,32 +84,35 @@ def test_consumer_in_another_pid_namespace_leaves_live_producers_alone(
         assert producer.stdout is not None and producer.stdin is not None
         made = json.loads(producer.stdout.readline())
         refs = made["refs"]
-        names = sorted(os.listdir(made["dir"]))
-        assert sum(n.endswith(".seg") for n in names) == 2, names
-        assert any(n.startswith("ring-") for n in names), names
+        published = _objects(made["dir"])
+        assert len(published) == 3, published
 
-        # A trainer in another container: it cannot see the producer's pid.
-        foreign = _fetch(refs[:1], other_namespace=True)
-        assert foreign == [{"key": refs[0]["key"], "ok": True, "error": ""}]
+        # Every payload from the other namespace, twice (read-many).
+        assert _fetch(refs + refs, other_namespace=True) == _ok(refs + refs)
 
-        # The producer's other payloads and registration are all still there,
-        # and a consumer of the producer's own namespace fetches every one.
+        # Nothing went: the payloads and the producer's registration are
+        # there, and a consumer of the producer's own namespace reads them.
         left = sorted(os.listdir(made["dir"]))
-        assert sum(n.endswith(".seg") for n in left) == 2, left
+        assert _objects(made["dir"]) == published, left
         assert any(n.startswith("member-") for n in left), left
-        assert any(n.startswith("ring-") for n in left), left
-        local = _fetch(refs[1:2], other_namespace=False)
-        assert local == [{"key": refs[1]["key"], "ok": True, "error": ""}]
-        # A per-key segment taken from the other namespace as well (its
-        # producer cannot be checked there: it is taken, not discarded).
-        foreign = _fetch(refs[2:], other_namespace=True)
-        assert foreign == [{"key": refs[2]["key"], "ok": True, "error": ""}]
+        assert _fetch(refs, other_namespace=False) == _ok(refs)
+
+        # The other namespace's driver releases one payload: that one goes,
+        # at once for every reader; nothing else does.
+        assert _peer("release", refs[2:], other_namespace=True) == [{"removed": 1}]
+        (gone,) = _fetch(refs[2:], other_namespace=False)
+        assert gone["error"].startswith("RouteRefMissingError"), gone
+        assert len(_objects(made["dir"])) == 2
+        assert _fetch(refs[:2], other_namespace=True) == _ok(refs[:2])
+        assert any(n.startswith("member-") for n in os.listdir(made["dir"]))
         assert producer.poll() is None
     finally:
         if producer.stdin is not None:
             producer.stdin.write("\n")
             producer.stdin.close()
         assert producer.wait(timeout=60) == 0
+    # The producer's close withdrew the rest.
+    assert not os.path.isdir(made["dir"]) or _objects(made["dir"]) == []
 
 
 def test_a_join_sweeps_dead_producers_of_its_namespace_only(make_conn) -> None:  # noqa: ANN001
