@@ -4,8 +4,9 @@
 ``RouteRefs`` on the real host transport whose put is held by the test (a
 held thread, standing in for a frozen Mooncake master): reads never wait
 behind it, the stuck transport trips the breaker, a put that returns late is
-retired, a sink fault fails one reference only, and expiry runs on its
-schedule while hand-offs keep coming."""
+retired, a sink fault fails one reference only, expiry runs on its
+schedule while hand-offs keep coming, and a weight version's references are
+retired on the thread."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from vllm.distributed.artifact_connector.route_handoff import Handoff, RouteHand
 from vllm.distributed.artifact_connector.route_refs import RouteRefs
 from vllm.distributed.artifact_connector.route_results import RouteResults
 from vllm_host_transport import routed_experts
-from vllm_host_transport.routed_experts import fetch
+from vllm_host_transport.routed_experts import RouteRefMissingError, fetch
+from vllm_host_transport.routes_format import encode
 
 ROWS = np.random.default_rng(3).integers(0, 128, (40, 4, 2), dtype=np.uint8)
+STORED = encode(ROWS).nbytes  # a payload's bytes, header included
 
 
 class _HeldRefs(RouteRefs):
@@ -39,13 +42,13 @@ class _HeldRefs(RouteRefs):
         self.expiries = 0
         put = self._sink.put
 
-        def held_put(key, rows):
+        def held_put(key, payload):
             self.in_put.set()
             assert self.hold.wait(60)
             if self.fail_next is not None:
                 e, self.fail_next = self.fail_next, None
                 raise e
-            put(key, rows)
+            return put(key, payload)
 
         self._sink.put = held_put  # type: ignore[method-assign]
 
@@ -72,8 +75,8 @@ def handoff():
     routed_experts.close()
 
 
-def _job(name: str, timeout_s: float = 0.5) -> Handoff:
-    return Handoff(name, 1, ROWS, 0, time.monotonic() + timeout_s)
+def _job(name: str, timeout_s: float = 0.5, version: str = "") -> Handoff:
+    return Handoff(name, 1, ROWS, 0, time.monotonic() + timeout_s, version)
 
 
 def _wait(results, n, timeout=30.0):
@@ -90,7 +93,8 @@ def test_a_handed_out_reference_fetches_exactly(handoff):
     h.submit([_job("a")])
     (res,) = _wait(results, 1)
     assert res.handed_off and res.error is None and res.ref is not None
-    np.testing.assert_array_equal(fetch(res.ref), ROWS)
+    for _ in range(2):  # read-many
+        np.testing.assert_array_equal(fetch(res.ref), ROWS)
 
 
 def test_a_stuck_transport_fails_references_at_once_and_recovers(handoff):
@@ -117,7 +121,7 @@ def test_a_stuck_transport_fails_references_at_once_and_recovers(handoff):
     (stuck,) = _wait(results, 1)
     assert stuck.req_id == "stuck" and stuck.ref is None
     assert stuck.error == "RouteRefPublishError: handed out past its deadline"
-    assert refs.counters()["waiting_bytes"] == ROWS.nbytes  # "warm" alone
+    assert refs.counters()["waiting_bytes"] == STORED  # "warm" alone
     h.submit([_job("paused")])
     (paused,) = results.take()
     assert "calls are paused for 1 s" in paused.error
@@ -164,6 +168,35 @@ def test_expiry_runs_on_its_schedule_under_steady_hand_offs(monkeypatch):
         assert made[0].counters()["waiting_bytes"] == 0
     finally:
         h.close()
+
+
+def test_a_weight_versions_references_are_retired_on_the_thread(handoff):
+    """``retire_versions`` (the scheduler, when the weight version moves
+    past ``ref_versions_kept``) returns at once; the hand-off thread
+    removes the references of the versions not kept and hands out new ones
+    as before."""
+    h, results, made = handoff
+    h.submit([_job("v1", 5.0, "v1"), _job("v1-v2", 5.0, "v1,v2")])
+    h.submit([_job("v2", 5.0, "v2")])
+    by_id = {r.req_id: r for r in _wait(results, 3)}
+    assert all(r.error is None for r in by_id.values())
+    assert by_id["v1-v2"].ref.weight_version == "v1,v2"
+    t0 = time.monotonic()
+    h.retire_versions(("v2", "v3"))
+    assert time.monotonic() - t0 < 0.1
+    deadline = time.monotonic() + 10
+    while made[0].version_retired < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made[0].version_retired == 1
+    with pytest.raises(RouteRefMissingError):
+        fetch(by_id["v1"].ref)
+    for kept in ("v1-v2", "v2"):
+        np.testing.assert_array_equal(fetch(by_id[kept].ref), ROWS)
+    assert made[0].counters()["waiting_bytes"] == 2 * STORED
+    h.submit([_job("v3", 5.0, "v3")])
+    (v3,) = _wait(results, 1)
+    assert v3.error is None and v3.ref.weight_version == "v3"
+    np.testing.assert_array_equal(fetch(v3.ref), ROWS)
 
 
 def test_a_frozen_master_at_start_freezes_no_step_loop():
