@@ -138,6 +138,10 @@ def token_rows(
             raise RouteRefInvalidError(f"seq_length {s} < longest sequence")
         s = -(-s // align) * align
         t = _cp_positions(s, cp_size, cp_rank)
+        if len(t) % sp_size:  # sequence parallelism splits the s axis
+            raise RouteRefInvalidError(
+                f"s = {len(t)} does not split over {sp_size} sequence-parallel ranks"
+            )
         batch = len(lens)
         # [s, b] flattened s-major: position p of sequence b at p * batch + b.
         seq = np.tile(np.arange(batch, dtype=np.int64), len(t))
