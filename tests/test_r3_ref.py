@@ -58,7 +58,7 @@ def _assert_ref_exact(consumer, tiny_moe, ref, prompt_ids, token_ids, first_row=
     assert ref["transport"] in ("host", "mooncake")
     assert ref["prompt_start"] == first_row
     got = consumer.fetch(ref)
-    assert isinstance(got, np.ndarray), got
+    assert isinstance(got, np.ndarray), (got, getattr(consumer, "last_message", ""))
     want = expected_r3(tiny_moe, prompt_ids, token_ids)[first_row:]
     assert got.dtype == np.uint8 and list(ref["shape"]) == list(want.shape)
     np.testing.assert_array_equal(got, want)
@@ -108,14 +108,18 @@ def _assert_no_payloads_left(scope: str) -> None:
 
 def _payload_files(path: str) -> list[str]:
     """What producers left in a scope directory: rings, per-key segments,
-    registrations."""
+    read-many objects, registrations."""
     left = os.listdir(path) if os.path.exists(path) else []
-    return [n for n in left if n.startswith(("ring-", "member-")) or n.endswith(".seg")]
+    return [
+        n
+        for n in left
+        if n.startswith(("ring-", "member-")) or n.endswith((".seg", ".rdm"))
+    ]
 
 
 def _host_only(server) -> None:
     if server.transport != "host":
-        pytest.skip("host-transport semantics (taken once, the scope's files)")
+        pytest.skip("host-transport semantics (the scope's files)")
 
 
 def _post(server, path, body):
@@ -306,17 +310,29 @@ def _generated(server, _seen: dict = {}) -> bool:  # noqa: B006
     return False
 
 
-def test_a_reference_is_taken_once_and_expires_unfetched(server, consumer, tiny_moe):
+def test_a_reference_is_read_until_released_and_expires_unread(
+    server, consumer, tiny_moe
+):
+    from vllm_host_transport.routes_reader import release
+
     _host_only(server)
     a = _completion(server, PROMPTS[0])["choices"][0]
+    # Read-many: every rank of a step reads it (both reads before the
+    # oracle, which loads the model: the server's TTL is 3 s).
+    first = consumer.fetch(a["routed_experts_ref"])
+    second = consumer.fetch(a["routed_experts_ref"])
+    assert isinstance(first, np.ndarray) and isinstance(second, np.ndarray)
+    np.testing.assert_array_equal(
+        first, expected_r3(tiny_moe, a["prompt_token_ids"], a["token_ids"])
+    )
+    np.testing.assert_array_equal(second, first)
+    # The driver's release (a fresh one: a's TTL may have passed already).
+    c = _completion(server, PROMPTS[2])["choices"][0]["routed_experts_ref"]
+    assert release([c]) == 1
+    assert consumer.fetch(c) == "RouteRefMissingError"
     b = _completion(server, PROMPTS[1])["choices"][0]
-    _assert_ref_exact(
-        consumer, tiny_moe, a["routed_experts_ref"], a["prompt_token_ids"],
-        a["token_ids"],
-    )  # fmt: skip
-    assert consumer.fetch(a["routed_experts_ref"]) == "RouteRefMissingError"
-    # b is never fetched in time: the engine removes it after its TTL (the
-    # reader's upkeep runs every second while idle).
+    # b is never read in time: the engine removes it after its TTL (the
+    # hand-off thread's upkeep runs every second while idle).
     time.sleep(TTL_S + 2.5)
     assert consumer.fetch(b["routed_experts_ref"]) == "RouteRefMissingError"
     # /metrics counts it (updated with the next step).
@@ -344,20 +360,19 @@ def test_a_corrupted_payload_is_a_typed_error(server, consumer, scope, tiny_moe)
     _host_only(server)
     c = _completion(server, PROMPTS[5])["choices"][0]
     want = expected_r3(tiny_moe, c["prompt_token_ids"], c["token_ids"])
-    want = want.astype(np.uint8).tobytes()
-    # Flip a byte of the routes where they wait (a ring or a segment file).
-    scope_path = os.path.join("/dev/shm", _scope_name(scope))
-    hit = False
-    for name in os.listdir(scope_path):
-        path = os.path.join(scope_path, name)
-        with open(path, "r+b") as f:
-            data = f.read()
-            at = data.rfind(want)
-            if at >= 0:
-                f.seek(at + len(want) // 2)
-                f.write(bytes([data[at + len(want) // 2] ^ 0xFF]))
-                hit = True
-    assert hit, "the routes were not found in the scope"
+    # Stored layer-major: flip a byte of layer 1's rows in the object's file.
+    want = np.ascontiguousarray(want[:, 1]).astype(np.uint8).tobytes()
+    from vllm_host_transport.readmany import readable_name
+
+    path = os.path.join(
+        "/dev/shm", _scope_name(scope), readable_name(c["routed_experts_ref"]["key"])
+    )
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.rfind(want)
+        assert at >= 0, "the routes were not found in their object"
+        f.seek(at + len(want) // 2)
+        f.write(bytes([data[at + len(want) // 2] ^ 0xFF]))
     assert consumer.fetch(c["routed_experts_ref"]) == "RouteRefCorruptError"
     # A malformed reference is refused before anything is read.
     bad = dict(c["routed_experts_ref"], key="../" + "0" * 29)
@@ -380,9 +395,9 @@ def test_offline_references_bounded_in_bytes(tiny_moe, consumer):
 
     scope = f"r3ref-{uuid.uuid4().hex[:12]}"
     # Each response is 30 prompt + 8 new tokens: 37 rows of [2, 2] uint8,
-    # 148 bytes; 300 bytes hold two of them.
+    # 148 bytes, stored after a 64-byte header; 450 bytes hold two of them.
     kwargs = engine_kwargs(tiny_moe)
-    kwargs["artifact_config"].update(ref_scope=scope, ref_max_bytes=300)
+    kwargs["artifact_config"].update(ref_scope=scope, ref_max_bytes=450)
     llm = LLM(**kwargs)
     try:
         outs = [
@@ -402,6 +417,7 @@ def test_offline_references_bounded_in_bytes(tiny_moe, consumer):
         refs = [o.outputs[0].routed_experts_ref for o in outs]
         assert all(o.outputs[0].routed_experts is None for o in outs)
         assert [r.nbytes for r in refs] == [148] * 3
+        assert [r.header_nbytes for r in refs] == [64] * 3
         # The third put pushed the first one out.
         assert consumer.fetch(refs[0].to_json()) == "RouteRefMissingError"
         for o, ref in zip(outs[1:], refs[1:]):
@@ -440,8 +456,9 @@ def test_a_squatted_scope_then_a_clean_close_while_a_trainer_holds_it(
 ):
     """Another user created the scope's directory first: the engine hands
     references out in a fresh private scope that they name, and they fetch
-    exactly. The trainer keeps ``fetch``'s connector (the scope) open while
-    the engine stops: the engine's payloads go at its close all the same."""
+    exactly. A trainer holds nothing in the scope (it reads objects, it
+    does not join): the engine's close removes its payloads and the
+    scope."""
     from vllm import LLM
 
     scope = f"r3ref-{uuid.uuid4().hex[:12]}"
@@ -472,9 +489,8 @@ def test_a_squatted_scope_then_a_clean_close_while_a_trainer_holds_it(
         finally:
             llm.llm_engine.engine_core.shutdown(timeout=30)
             del llm
-        # Stopped: nothing of the engine's is left, though the trainer
-        # holds the scope (its directory stays until the trainer lets go).
-        assert os.path.isdir(fallback) and _payload_files(fallback) == []
+        # Stopped: nothing of the engine's is left, nor its scope.
+        assert not os.path.exists(fallback)
         for ref in refs[1:]:
             assert trainer.fetch(ref.to_json()) == "RouteRefMissingError"
     finally:
@@ -496,11 +512,11 @@ def _exitcode(proc, timeout_s: float) -> int | None:
     return proc.exitcode
 
 
-def test_a_killed_engine_core_while_a_trainer_holds_the_scope(tiny_moe, tmp_path):
-    """The engine core is SIGKILLed with references waiting while the
-    trainer holds the scope: its next fetch in the scope (here one of the
-    dead engine's references, which is gone) removes everything the killed
-    engine left before it answers."""
+def test_a_killed_engine_core_then_a_trainer_reads(tiny_moe, tmp_path):
+    """The engine core is SIGKILLed with references waiting: a trainer's
+    next read of one of them finds its producer dead, answers
+    ``RouteRefMissingError`` at once, and removes what the killed engine
+    left (the scope no live connector holds)."""
     from vllm import LLM
 
     scope = f"r3ref-{uuid.uuid4().hex[:12]}"

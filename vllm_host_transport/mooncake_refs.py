@@ -34,7 +34,6 @@ import numpy as np
 
 from vllm_host_transport.mooncake_probe import describe_error, probe
 from vllm_host_transport.routed_experts import (
-    RoutedExpertsRef,
     RouteRefCorruptError,
     RouteRefInvalidError,
     RouteRefMissingError,
@@ -159,15 +158,6 @@ def _forget_mooncake(master: str, store: Any) -> None:
     with _staging_lock:
         _staging.pop(id(store), None)  # registered with the client that goes
     _close_answered([(master, store)])
-
-
-def take_from_mooncake(ref: RoutedExpertsRef, timeout_s: float) -> np.ndarray:
-    """The whole payload ``ref`` names, as this process's own bytes
-    (unverified: the caller checks the checksum); one range of
-    :func:`read_ranges`. Only for fetch of the token-major payloads."""
-    out = np.empty(ref.nbytes, np.uint8)
-    read_ranges(ref.location, ref.key, ref.nbytes, [(0, out)], timeout_s)
-    return out
 
 
 # ------------------------------------------------------------ range reads

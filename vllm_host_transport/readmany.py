@@ -287,8 +287,11 @@ class ReadableObject:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # No module globals here: at interpreter exit they may be gone.
+        try:  # noqa: SIM105 - contextlib may be gone at exit
             self.close()
+        except Exception:
+            pass
 
 
 def open_readable(

@@ -36,6 +36,7 @@ torch is imported only when a ``dtype`` or ``out`` is a torch one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -297,6 +298,7 @@ def _fetch_host(plan: _Plan) -> None:
     try:
         obj = open_readable(ref.location, ref.key)
     except ReadableMissingError:
+        _collect_abandoned()
         raise _missing(ref) from None
     except HostTransportError as e:
         if type(e).__name__ == "ScopeMissingError":
@@ -319,6 +321,21 @@ def _fetch_host(plan: _Plan) -> None:
                 obj.read_into(offset, dst)
         except (HostTransportError, OSError) as e:
             raise RouteRefTransportError(f"routes {ref.key}: read failed: {e}") from e
+
+
+def _collect_abandoned() -> None:
+    """A reference that is gone may be one of a killed engine's (``open_readable``
+    removes an object whose producer is proven dead): remove the scopes
+    that no live connector holds, so a killed engine with no successor
+    leaves nothing in ``/dev/shm`` once a trainer looked. A scandir of the
+    root on this (rare) path only."""
+    from vllm_host_transport.discovery import (
+        HostTransportError,
+        collect_abandoned_scopes,
+    )
+
+    with contextlib.suppress(HostTransportError, OSError):
+        collect_abandoned_scopes()
 
 
 def _missing(ref: RoutedExpertsRef) -> RouteRefMissingError:

@@ -64,6 +64,7 @@ class Consumer:
         answer = json.loads(self.proc.stdout.readline())
         assert answer["loaded"] == [], f"the consumer imported {answer['loaded']}"
         if "error" in answer:
+            self.last_message = answer.get("message", "")
             return answer["error"]
         routes = np.load(out)
         os.unlink(out)

@@ -56,7 +56,7 @@ from vllm_host_transport import (
 )
 from vllm_host_transport.discovery import collect_abandoned_scopes
 from vllm_host_transport.routed_experts import RoutedExpertsRef
-from vllm_host_transport.routes_format import EncodedRoutes, encode
+from vllm_host_transport.routes_format import encode
 
 if TYPE_CHECKING:
     from vllm.config.artifact import ArtifactConfig
@@ -118,23 +118,24 @@ class _HostSink:
                     "removed host-transport scopes of killed engines: %s", removed
                 )
 
-    def put(self, key: str, payload: EncodedRoutes) -> bool:
-        """Store ``payload`` under ``key``, readable by any process of the
-        user until removed. Returns True: its bytes are a file of their own
-        in ``/dev/shm`` (removing it frees them)."""
+    def put(self, key: str, parts: list[memoryview], nbytes: int) -> bool:
+        """Store the concatenation of ``parts`` (``nbytes``) under ``key``,
+        readable by any process of the user until removed. Returns True: its
+        bytes are a file of their own in ``/dev/shm`` (removing it frees
+        them)."""
         try:
-            ok = self._conn.put_readable(key, payload.parts)
+            ok = self._conn.put_readable(key, parts)
         except HostTransportError as e:
             raise RouteRefPublishError(f"the host transport failed: {e}") from e
         if not ok:
             error = RouteRefPublishError
             with contextlib.suppress(HostTransportError):  # closed meanwhile
                 free = free_bytes(self._conn.scope_dir)
-                if free < payload.nbytes + _NO_SPACE_SLACK:
+                if free < nbytes + _NO_SPACE_SLACK:
                     error = _NoSpaceError
             raise error(
                 f"the host transport (scope {self.location!r}) refused a "
-                f"{payload.nbytes}-byte payload"
+                f"{nbytes}-byte payload"
                 + ("; /dev/shm is full" if error is _NoSpaceError else "")
                 + "; see the engine log"
             )
@@ -221,7 +222,7 @@ class RouteRefs:
         retries = 0
         while True:
             try:
-                own_segment = self._sink.put(key, payload)
+                own_segment = self._sink.put(key, payload.parts, payload.nbytes)
                 break
             except _NoSpaceError as e:
                 # /dev/shm is full (other engines, other files): this
