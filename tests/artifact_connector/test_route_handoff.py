@@ -42,13 +42,13 @@ class _HeldRefs(RouteRefs):
         self.expiries = 0
         put = self._sink.put
 
-        def held_put(key, payload):
+        def held_put(*args):
             self.in_put.set()
             assert self.hold.wait(60)
             if self.fail_next is not None:
                 e, self.fail_next = self.fail_next, None
                 raise e
-            return put(key, payload)
+            return put(*args)
 
         self._sink.put = held_put  # type: ignore[method-assign]
 
