@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from vllm_host_transport.routed_experts import RouteRefInvalidError, as_ref
-from vllm_host_transport.routes_reader import read_batch
+from vllm_host_transport.routes_reader import DEFAULT_TIMEOUT_S, read_batch
 
 PAD = -1
 """Position of a padding token in :func:`token_rows`' answer."""
@@ -174,7 +174,7 @@ def replay_inputs(
     sp_size: int = 1,
     sp_rank: int = 0,
     device: Any = None,
-    timeout_s: float = 1.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
     """``RouterReplay.set_replay_data``'s argument for one micro-batch.
 

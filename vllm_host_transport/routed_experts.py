@@ -279,15 +279,14 @@ def as_ref(ref: RoutedExpertsRef | dict[str, Any] | str | bytes) -> RoutedExpert
 
 
 def fetch(
-    ref: RoutedExpertsRef | dict[str, Any] | str, timeout_s: float = 1.0
+    ref: RoutedExpertsRef | dict[str, Any] | str, timeout_s: float = 10.0
 ) -> np.ndarray:
     """The routes behind ``ref``, whole: a ``[rows, layers, top_k]`` array
     of this process's own, every chunk verified (``routes_reader.read``
     with no selection). The payload stays for other readers until it is
-    released. ``timeout_s``: for a Mooncake reference, the longest the
-    process's first read from that master (and the first after a retry)
-    waits for the master to answer the probe that precedes joining it (at
-    least 1 s). Raises only :class:`RouteRefError` subclasses."""
+    released. ``timeout_s``: for a Mooncake reference, the longest the read
+    takes, joining the master included (a host read never waits). Raises
+    only :class:`RouteRefError` subclasses."""
     from vllm_host_transport.routes_reader import read
 
     return read(ref, timeout_s=timeout_s)

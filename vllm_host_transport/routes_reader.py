@@ -55,6 +55,10 @@ from vllm_host_transport.routed_experts import (
 )
 from vllm_host_transport.routes_format import DIGESTS, decode_header, digest_bytes
 
+#: The longest a read over Mooncake takes, joining the master included,
+#: before it fails with RouteRefTransportError (a host read never waits).
+DEFAULT_TIMEOUT_S = 10.0
+
 Layers = Sequence[int] | range | slice | None
 Tokens = slice | range | None
 
@@ -373,7 +377,7 @@ def read(
     dtype: Any = None,
     out: Any = None,
     layer_major: bool = False,
-    timeout_s: float = 1.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Any:
     """Rows ``tokens`` (of the reference's ``shape[0]``; row ``i`` is token
     ``prompt_start + i``) of ``layers`` (indices of the decoder-layer axis;
@@ -415,7 +419,7 @@ def read_batch(
     fill: int = 0,
     out: Any = None,
     layer_major: bool = False,
-    timeout_s: float = 1.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     _single: bool = False,
 ) -> Any:
     """Many references in one call (one pass over each transport).
@@ -503,7 +507,7 @@ def release(
     *,
     reader: int | None = None,
     readers: int | None = None,
-    timeout_s: float = 1.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> int:
     """Let go of ``refs``. With neither ``reader`` nor ``readers`` (the
     driver, once every rank read): remove the payloads now. With both (rank

@@ -21,8 +21,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
+
+# Run as a script, its own directory comes first on sys.path, and
+# tests/utils/mooncake.py would shadow Mooncake's package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 
 def _rank(job: dict, stage: int, half: int, barrier, queue) -> None:  # type: ignore[no-untyped-def]
