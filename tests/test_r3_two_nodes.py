@@ -262,6 +262,53 @@ def test_references_fetched_on_node_b(nodes, engines, trainer, master, tiny_moe)
     assert trainer.fetch(gone) == "RouteRefMissingError"
 
 
+def test_eight_ranks_on_node_b_read_their_slices(
+    nodes, engines, trainer, master, tiny_moe, tmp_path
+):
+    """8 trainer ranks on node B (2 pipeline stages x 4 data-parallel
+    quarters: the tiny model has 2 layers) read their slices of references
+    engine A handed out, at once, every byte across the veth
+    (tests/utils/slice_readers.py): each equal to transformers' router,
+    exactly its bytes plus headers; the last stage of each quarter removes
+    what it read, and a read then fails at once."""
+    import json
+    import sys
+
+    from utils.slice_readers import check
+
+    _, node_b = nodes
+    a, _ = engines
+    outs = a.generate([f"{p} slices" for p in PROMPTS[:8]], 8, format="ref")
+    refs = [o.outputs[0].routed_experts_ref for o in outs]
+    want = [
+        expected_r3(tiny_moe, o.prompt_token_ids, o.outputs[0].token_ids) for o in outs
+    ]
+    stages, quarters = 2, 4
+    job = {
+        "refs": refs,
+        "config": str(tiny_moe),
+        "stages": stages,
+        "halves": quarters,
+        "out": str(tmp_path),
+        "release": True,
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    assert node_b.ip is not None
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(MC_FORCE_TCP="true", VLLM_MOONCAKE_LOCAL_HOSTNAME=node_b.ip)
+    script = Path(__file__).parent / "utils" / "slice_readers.py"
+    r = node_b.run(
+        [sys.executable, str(script), str(tmp_path / "job.json")],
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    answers = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(answers) == stages * quarters
+    check(answers, refs, want, str(tmp_path), quarters)
+    assert trainer.fetch(refs[0]) == "RouteRefMissingError"
+
+
 def _sharing_comes_back(a, b, model, tag: str, deadline_s: float) -> int:
     """Prompts computed by A and then asked of B, until B loads a whole hit
     (exact every time, whole blocks); returns how many it took."""

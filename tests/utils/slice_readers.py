@@ -65,6 +65,38 @@ def _rank(job: dict, stage: int, half: int, barrier, queue) -> None:  # type: ig
     queue.put(answer)
 
 
+def check(answers: list, refs: list, want: list, out: str, halves: int) -> None:
+    """The parent's checks of :func:`main`'s answers: no rank failed or
+    imported vLLM or torch; each rank's array equals ``want`` (the oracle's
+    ``[rows, layers, top_k]`` per reference) at its references and layers,
+    int64, packed layer-major; it read exactly its layers' rows plus the
+    headers (``bytes_avoided`` the rest); with ``release``, each reference
+    was removed once."""
+    import numpy as np
+
+    for a in answers:
+        assert "error" not in a, a
+        assert a["loaded"] == [], f"a trainer rank imported {a['loaded']}"
+        got = np.load(f"{out}/rank-{a['stage']}-{a['half']}.npz")
+        layers = [int(x) for x in got["layers"]]
+        mine = list(range(a["half"], len(refs), halves))
+        cu = got["cu_seqlens"]
+        read = body = 0
+        for b, i in enumerate(mine):
+            rows = got["routes"][:, cu[b] : cu[b + 1]]  # [layers, T, K]
+            assert rows.dtype == np.int64
+            np.testing.assert_array_equal(rows, want[i][:, layers].transpose(1, 0, 2))
+            ref = refs[i]
+            mine_body = len(layers) * ref["nbytes"] // ref["shape"][1]
+            read += ref["header_nbytes"] + mine_body
+            body += ref["nbytes"] - mine_body
+        # Exactly its layers' rows and the headers: nothing more was read.
+        assert a["bytes_read"] == read, (a, read)
+        assert a["bytes_avoided"] == body, (a, body)
+    if any("removed" in a for a in answers):
+        assert sum(a["removed"] for a in answers) == len(refs)
+
+
 def main(path: str) -> None:
     with open(path) as f:
         job = json.load(f)
