@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -72,14 +73,14 @@ class RoutesHeader(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         return -(-self.stored_rows // self.block_rows)
 
 
-def digest_bytes(kind: str, data: object) -> bytes:
+def digest_bytes(kind: str, data: Any) -> bytes:
     """The raw digest of ``data`` (a buffer) of kind ``kind``."""
     if kind == "sha256":
-        return hashlib.sha256(data).digest()  # type: ignore[arg-type]
+        return hashlib.sha256(data).digest()
     return xxhash.xxh3_64_digest(data)
 
 
-def digest_hex(kind: str, data: object) -> str:
+def digest_hex(kind: str, data: Any) -> str:
     return digest_bytes(kind, data).hex()
 
 
@@ -96,7 +97,7 @@ class EncodedRoutes:
     def parts(self) -> list[memoryview]:
         return [
             memoryview(self.header),
-            memoryview(self.body.reshape(-1).view(np.uint8)),
+            memoryview(self.body.reshape(-1).view(np.uint8).data),
         ]
 
     @property

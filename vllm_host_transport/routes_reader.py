@@ -451,7 +451,7 @@ def read_batch(
             )
         spans = [_token_range(t, r.shape[0]) for t, r in zip(tokens, parsed)]
     else:
-        spans = [_token_range(tokens, r.shape[0]) for r in parsed]  # type: ignore[arg-type]
+        spans = [_token_range(tokens, r.shape[0]) for r in parsed]
     lengths = np.array([b - a for a, b in spans], np.int64)
     shape: tuple[int, ...]
     if packed:
@@ -525,15 +525,11 @@ def release(
         if ref.transport == "mooncake":
             from vllm_host_transport import mooncake_refs
 
-            if readers is None:
+            if reader is None or readers is None:
                 removed += mooncake_refs.remove(ref.location, ref.key, timeout_s)
             else:
                 removed += mooncake_refs.mark_read(
-                    ref.location,
-                    ref.key,
-                    reader,
-                    readers,
-                    timeout_s,  # type: ignore[arg-type]
+                    ref.location, ref.key, reader, readers, timeout_s
                 )
         else:
             removed += _release_host(ref, reader, readers)
