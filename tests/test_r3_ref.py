@@ -11,6 +11,7 @@ float32."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -428,8 +429,7 @@ def test_offline_references_bounded_in_bytes(tiny_moe, consumer):
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30)
         del llm
-    # The engine's ring and unfetched segments are gone; the scope itself
-    # stays while the consumer holds it open (its close removes it).
+    # The engine's objects are gone (the scope with them: no reader holds it).
     _assert_no_payloads_left(scope)
 
 
@@ -556,8 +556,8 @@ def test_a_killed_engine_core_then_a_trainer_reads(tiny_moe, tmp_path):
 
 
 def test_a_restarted_engine_sweeps_a_killed_ones_payloads_at_start(tiny_moe):
-    """A killed engine's references (its ring, segments and registration;
-    here a producer process of the same edge, SIGKILLed so nothing of it
+    """A killed engine's references (its objects and registration; here a
+    producer process of the same scope, SIGKILLed so nothing of it
     runs at exit) stay in the scope while no other process looks. A new
     engine on the same scope removes them as it starts, before any request
     asks for a reference."""
@@ -585,14 +585,14 @@ def test_a_restarted_engine_sweeps_a_killed_ones_payloads_at_start(tiny_moe):
         killed.kill()
         killed.wait(30)
     left = _payload_files(path)
-    assert len([n for n in left if n.endswith(".seg")]) == 2, left
+    assert len([n for n in left if n.endswith(".rdm")]) == 3, left
     kwargs = engine_kwargs(tiny_moe)
     kwargs["artifact_config"].update(ref_scope=scope)
     try:
         llm = LLM(**kwargs)
         try:
-            # Started, and no request yet: the killed producer's ring,
-            # segments and registration go (the hand-off thread joins the
+            # Started, and no request yet: the killed producer's objects
+            # and registration go (the hand-off thread joins the
             # scope as the engine starts, maybe just after LLM() returns).
             deadline = time.monotonic() + 60
             while _payload_files(path) and time.monotonic() < deadline:
@@ -646,7 +646,10 @@ def test_a_trainer_in_another_pid_namespace_fetches_and_removes_nothing_else(
         refs = [c["routed_experts_ref"] for c in choices]
         foreign = _fetch_in_another_pid_namespace(refs[:2])
         assert [f["error"] for f in foreign] == ["", ""]
-        assert all(f["ok"] for f in foreign)
+        for f, c in zip(foreign, choices[:2]):
+            want = expected_r3(tiny_moe, c["prompt_token_ids"], c["token_ids"])
+            want = np.ascontiguousarray(want, dtype=np.uint8)
+            assert f["sha256"] == hashlib.sha256(want.tobytes()).hexdigest()
         for c in choices[2:]:
             _assert_ref_exact(
                 consumer, tiny_moe, c["routed_experts_ref"], c["prompt_token_ids"],

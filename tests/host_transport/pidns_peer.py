@@ -8,13 +8,15 @@ start it in another PID namespace.
 3 MiB), prints ``{"pid", "dir", "refs"}`` as one JSON line, then waits for
 a line on stdin before it closes. ``fetch <refs json>``: fetches each
 reference, printing one JSON line ``{"key": ..., "ok": bool, "error": ...}``
-per reference (``ok``: the array is exactly what was published).
+per reference (``ok``: the array is exactly what ``produce`` published;
+``sha256``: of the array's bytes, for references of other producers).
 ``release <refs json>``: the driver's release of the references, printing
 ``{"removed": n}``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -61,7 +63,8 @@ def fetch(refs: list[dict]) -> None:
             arr = fetch_ref(ref)
             want = _rows(ref["nbytes"])
             ok = arr.shape == want.shape and bool((arr == want).all())
-            out = {"key": ref["key"], "ok": ok, "error": ""}
+            digest = hashlib.sha256(arr.tobytes()).hexdigest()
+            out = {"key": ref["key"], "ok": ok, "error": "", "sha256": digest}
         except RouteRefError as e:
             out = {"key": ref["key"], "ok": False, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(out), flush=True)
