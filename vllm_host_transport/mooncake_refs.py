@@ -1,29 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The trainer's side of references over a Mooncake Store: one client per
-master per process, range reads of many references at once
-(:func:`read_ranges_many`), and letting go of one (:func:`remove`, the
-driver's; :func:`mark_read`, each of N readers').
+"""The trainer's side of references over a Mooncake Store: range reads of
+many references at once (:func:`read_ranges_many`), and letting go of one
+(:func:`remove`, the driver's; :func:`mark_read`, each of N readers'), on
+the process's clients (``mooncake_clients.py``).
 
 Imported by the routes reader when a reference names
 ``transport="mooncake"``; needs neither vLLM nor torch (Mooncake's client
-only).
-
-Joining and leaving a master (Mooncake's ``setup``, ``close``) hold the
-interpreter lock, against a frozen master until it resumes: both run only
-after the master answered a probe (``mooncake_probe.py``) within the
-call's ``timeout_s`` (at least :data:`MIN_JOIN_TIMEOUT_S`). A master that
-does not answer fails the call with :class:`RouteRefTransportError`, and
-the next call asks again. Calls on a joined client release the lock while
-they wait (checked against a frozen master for every call used here), but
-wait for Mooncake's own RPC timeouts; the range reads and releases run
-them on a thread of their own and give up waiting at ``timeout_s``.
+only). Calls on a joined client release the interpreter lock while they
+wait (checked against a frozen master for every call used here), but wait
+for Mooncake's own RPC timeouts: the range reads and releases run them on a
+thread of their own and give up waiting at ``timeout_s``.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,133 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from vllm_host_transport.mooncake_probe import describe_error, probe
+from vllm_host_transport.mooncake_clients import (
+    forget,
+    joined,
+    staging_put,
+    staging_take,
+)
+from vllm_host_transport.mooncake_probe import describe_error
 from vllm_host_transport.routed_experts import (
     RouteRefCorruptError,
     RouteRefInvalidError,
     RouteRefMissingError,
     RouteRefTransportError,
 )
-
-#: The least time a fetch's first read from a master gives it to answer the
-#: join probe (a child process's start counts in it).
-MIN_JOIN_TIMEOUT_S = 1.0
-
-_mooncake_clients: dict[str, Any] = {}
-# Clients let go of while their master did not answer: closed once it does
-# (closing one of a frozen master would freeze this process).
-_unclosed: list[tuple[str, Any]] = []
-_clients_lock = threading.Lock()
-# Registered staging buffers of the range reads not in use, by client:
-# id(client) -> (client, buffers).
-_staging: dict[int, tuple[Any, list[np.ndarray]]] = {}
-_staging_lock = threading.Lock()
-
-
-def close_clients() -> None:
-    """Close this process's Mooncake clients (also run at exit); a client
-    whose master does not answer a probe is left to the process's exit."""
-    with _clients_lock:
-        stores = list(_mooncake_clients.items()) + _unclosed
-        _mooncake_clients.clear()
-        _unclosed.clear()
-    _close_answered(stores)
-
-
-def _close_answered(stores: list[tuple[str, Any]]) -> None:
-    answered: dict[str, bool] = {}
-    for master, store in stores:
-        if master not in answered:
-            answered[master] = probe(master, **_probe_args()) is None
-        if answered[master]:
-            store.close()
-        else:
-            with _clients_lock:
-                _unclosed.append((master, store))
-
-
-def _probe_args(timeout_s: float = MIN_JOIN_TIMEOUT_S) -> dict[str, Any]:
-    return {
-        "timeout_s": max(timeout_s, MIN_JOIN_TIMEOUT_S),
-        "protocol": os.environ.get("VLLM_MOONCAKE_PROTOCOL", "tcp"),
-        "local_hostname": os.environ.get("VLLM_MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"),
-    }
-
-
-atexit.register(close_clients)
-
-
-def _forget_after_fork() -> None:
-    # A forked child opens its own clients: the parent's refuse to work in it.
-    global _clients_lock, _staging_lock
-    _clients_lock = threading.Lock()
-    _staging_lock = threading.Lock()
-    _mooncake_clients.clear()
-    _unclosed.clear()
-    _staging.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _mooncake(master: str, timeout_s: float) -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        raise RouteRefTransportError(
-            f"fetching from a Mooncake Store needs its client ({e}): pip install "
-            "mooncake-transfer-engine-non-cuda"
-        ) from e
-    args = _probe_args(timeout_s)
-    # Another thread may be probing: wait for it no longer than a probe.
-    if not _clients_lock.acquire(timeout=args["timeout_s"]):
-        raise RouteRefTransportError(
-            f"cannot join the Mooncake Store of master {master}: another "
-            "thread of this process is still joining it"
-        )
-    try:
-        store = _mooncake_clients.get(master)
-        if store is None:
-            why = probe(master, **args)
-            if why is not None:
-                raise RouteRefTransportError(
-                    f"cannot join the Mooncake Store of master {master}: {why}"
-                )
-            store = MooncakeDistributedStore()
-            rc = store.setup(
-                os.environ.get("VLLM_MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"),
-                "P2PHANDSHAKE",
-                0,  # a reader contributes no memory to the pool
-                int(os.environ.get("VLLM_MOONCAKE_BUFFER_BYTES", 256 << 20)),
-                os.environ.get("VLLM_MOONCAKE_PROTOCOL", "tcp"),
-                "",
-                master,
-            )
-            if rc != 0:
-                raise RouteRefTransportError(
-                    f"cannot join the Mooncake Store of master {master}: "
-                    f"setup failed: {describe_error(rc)}"
-                )
-            _mooncake_clients[master] = store
-        return store
-    finally:
-        _clients_lock.release()
-
-
-def _forget_mooncake(master: str, store: Any) -> None:
-    """Close this process's client of ``master`` after a failed read, so the
-    next one joins afresh: a client that joined before a master restart, or
-    holds a connection Mooncake left dead (its issue 4209), may keep
-    failing where a new one reads."""
-    with _clients_lock:
-        current = _mooncake_clients.get(master)
-        if current is None or id(current) != id(store):
-            return  # another thread replaced it already
-        del _mooncake_clients[master]
-    with _staging_lock:
-        _staging.pop(id(store), None)  # registered with the client that goes
-    _close_answered([(master, store)])
-
 
 # ------------------------------------------------------------ range reads
 #
@@ -193,8 +70,6 @@ def _forget_mooncake(master: str, store: Any) -> None:
 #: Ranges of one object whose gap is at most this are read as one.
 MERGE_GAP_BYTES = 32 << 10
 #: Staging buffers kept per client between reads, and the largest kept.
-_STAGING_KEEP = 2
-_STAGING_KEEP_BYTES = 256 << 20
 _ALIGN = 64
 _RPC_ERRORS = (-900, -901)  # the master did not answer: no fresh client
 _OBJECT_NOT_FOUND = -704
@@ -247,12 +122,12 @@ def read_ranges_many(
         return
     deadline = time.monotonic() + timeout_s
     # A read that fails while the master says its objects are there is tried
-    # once more on a fresh client (see _forget_mooncake). One the master
+    # once more on a fresh client (see mooncake_clients.forget). One the master
     # did not answer is not: a client reconnects to a restarted master on
     # its own, and joining a master that is down takes Mooncake over a
     # minute.
     for attempt in (1, 2):
-        store = _mooncake(location, max(deadline - time.monotonic(), 0.0))
+        store = joined(location, max(deadline - time.monotonic(), 0.0))
         failed = _read_once(location, store, spans, sizes, deadline, timeout_s)
         if failed is None:
             return
@@ -262,7 +137,7 @@ def read_ranges_many(
                 f"failed: {failed.removeprefix('rpc:')}"
                 + (" (also on a fresh client)" if attempt == 2 else "")
             )
-        _forget_mooncake(location, store)
+        forget(location, store)
 
 
 def _read_once(
@@ -279,7 +154,7 @@ def _read_once(
     nbytes = max(s.stage + s.end - s.start for v in spans.values() for s in v)
 
     def abandoned(result: tuple[str, Any, np.ndarray | None]) -> None:
-        _stage_put(location, store, result[2])
+        staging_put(location, store, result[2])
 
     call = _Call(lambda: _read(store, spans, sizes, nbytes), abandoned)
     if not call.wait(deadline - time.monotonic()):
@@ -301,7 +176,7 @@ def _read_once(
             _copy_out(spans, stage)
         return failed
     finally:
-        _stage_put(location, store, stage)
+        staging_put(location, store, stage)
 
 
 def _plan(
@@ -380,7 +255,7 @@ def _read(
     wrong = {k: found[k] for k in keys if found[k] != {sizes[k]}}
     if wrong:
         return "sizes", wrong, None
-    stage = _stage_take(store, nbytes)
+    stage = staging_take(store, nbytes)
     try:
         answer = store.get_into_ranges(
             [stage.ctypes.data],
@@ -441,40 +316,6 @@ def _copy_out(spans: dict[str, list[_Span]], stage: np.ndarray | None) -> None:
                 dst[:] = stage[at : at + dst.nbytes]
 
 
-def _stage_take(store: Any, nbytes: int) -> np.ndarray:
-    """A staging buffer of at least ``nbytes`` registered with ``store``."""
-    with _staging_lock:
-        held = _staging.get(id(store))
-        free = held[1] if held is not None and held[0] is store else []
-        fits = [i for i, b in enumerate(free) if b.nbytes >= nbytes]
-        if fits:
-            return free.pop(min(fits, key=lambda i: free[i].nbytes))
-    buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-    rc = store.register_buffer(buf.ctypes.data, buf.nbytes)
-    if rc != 0:
-        raise RouteRefTransportError(
-            f"Mooncake's client cannot register a {buf.nbytes}-byte read "
-            f"buffer: {describe_error(rc)}"
-        )
-    return buf
-
-
-def _stage_put(location: str, store: Any, buf: np.ndarray | None) -> None:
-    """Give a staging buffer back for the next read on ``store`` while that
-    is still this process's client of ``location`` (else let it go: one
-    forgotten is closed, or left to the exit, with its registrations)."""
-    if buf is None:
-        return
-    with _staging_lock:
-        if id(_mooncake_clients.get(location)) != id(store):
-            return
-        free = _staging.setdefault(id(store), (store, []))[1]
-        if buf.nbytes <= _STAGING_KEEP_BYTES and len(free) < _STAGING_KEEP:
-            free.append(buf)
-            return
-    store.unregister_buffer(buf.ctypes.data)
-
-
 class _Call:
     """``fn()`` on a thread of its own, waited for at most a deadline. A
     call given up on runs to its end all the same (Mooncake's calls cannot
@@ -518,7 +359,7 @@ def _bounded(location: str, timeout_s: float, what: str, fn: Callable[[Any], Any
     """``fn(client)`` on this process's client of ``location``, within
     ``timeout_s`` all told (the join included)."""
     deadline = time.monotonic() + timeout_s
-    store = _mooncake(location, timeout_s)
+    store = joined(location, timeout_s)
     call = _Call(lambda: fn(store))
     if not call.wait(deadline - time.monotonic()):
         raise _silent(location, timeout_s)

@@ -261,8 +261,8 @@ def sha256_hex(data: Any) -> str:
 def close() -> None:
     """Let go of the Mooncake clients this process joined to read (also run
     at exit). Host-transport reads hold nothing between calls."""
-    if "vllm_host_transport.mooncake_refs" in sys.modules:
-        sys.modules["vllm_host_transport.mooncake_refs"].close_clients()
+    if "vllm_host_transport.mooncake_clients" in sys.modules:
+        sys.modules["vllm_host_transport.mooncake_clients"].close_clients()
 
 
 def as_ref(ref: RoutedExpertsRef | dict[str, Any] | str | bytes) -> RoutedExpertsRef:

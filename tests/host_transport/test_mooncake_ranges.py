@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from utils.mooncake import Master, Ticker, running_master
 
-from vllm_host_transport import mooncake_refs
+from vllm_host_transport import mooncake_clients, mooncake_refs
 from vllm_host_transport.routed_experts import (
     RouteRefCorruptError,
     RouteRefInvalidError,
@@ -78,7 +78,7 @@ def engine(master: Master) -> Iterator[Engine]:
 @pytest.fixture(autouse=True)
 def _close_clients() -> Iterator[None]:
     yield
-    mooncake_refs.close_clients()
+    mooncake_clients.close_clients()
 
 
 def _ranges(seed: int) -> list[tuple[int, int]]:
@@ -99,7 +99,7 @@ def _ranges(seed: int) -> list[tuple[int, int]]:
 READER = r"""
 import json, sys, time
 import numpy as np
-from vllm_host_transport import mooncake_refs
+from vllm_host_transport import mooncake_clients, mooncake_refs
 master, shared = sys.argv[1:3]
 reader, nbytes = map(int, sys.argv[3:5])
 mooncake_refs.read_ranges(master, shared, 1000, [(0, np.zeros(8, np.uint8))], 30.0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from utils.mooncake import Ticker, running_master
 
-from vllm_host_transport import mooncake_refs
+from vllm_host_transport import mooncake_clients, mooncake_refs
 from vllm_host_transport.routed_experts import RouteRefTransportError
 
 mooncake = pytest.importorskip(
@@ -66,5 +66,5 @@ def test_a_first_read_from_a_frozen_master_fails_and_freezes_nothing():
         finally:
             ticker.stop()
             master.thaw()
-            mooncake_refs.close_clients()
+            mooncake_clients.close_clients()
             store.close()
