@@ -31,6 +31,7 @@ from utils.r3 import (
     greedy,
     http_post,
     r3_server,
+    ref_server,
     serve_flags,
     shm_root,
 )
@@ -75,31 +76,11 @@ def scope():
 
 @pytest.fixture(scope="module", params=["host", "mooncake"])
 def server(request, tiny_moe, scope):
-    root = shm_root()
-    artifact = dict(routed_experts_format="ref", ref_scope=scope, ref_ttl_s=TTL_S)
-    with contextlib.ExitStack() as stack:
-        if request.param == "mooncake":
-            pytest.importorskip(
-                "mooncake.store",
-                reason="Mooncake's client is installed by `make setup`",
-            )
-            from utils.mooncake import running_master
-
-            master = stack.enter_context(running_master("mooncake-master-http"))
-            artifact.update(
-                ref_transport="mooncake",
-                mooncake_master=master.address,
-                mooncake_segment_bytes=64 << 20,
-                mooncake_buffer_bytes=32 << 20,
-            )
-        flags = serve_flags(root, **artifact)
-        with r3_server(
-            tiny_moe, flags, root, f"test-r3-ref-{request.param}.log"
-        ) as srv:
-            srv.transport = request.param
-            yield srv
-    # Everything the engine handed out is removed when it stops (the scope
-    # itself stays while the consumer holds it open).
+    with ref_server(
+        tiny_moe, request.param, "ref", ref_scope=scope, ref_ttl_s=TTL_S
+    ) as srv:
+        yield srv
+    # Everything the engine handed out is removed when it stops.
     _assert_no_payloads_left(scope)
 
 

@@ -17,7 +17,6 @@ rows were computed under, and those of retired versions go."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from utils.oracle import expected_r3
-from utils.r3 import PROMPTS, http_post, r3_server, serve_flags, shm_root
+from utils.r3 import PROMPTS, http_post, ref_server
 from utils.slice_readers import check
 
 pytestmark = pytest.mark.engine
@@ -49,29 +48,8 @@ def model8():
 
 @pytest.fixture(scope="module", params=["host", "mooncake"])
 def server(request, model8):
-    root = shm_root()
-    artifact: dict = dict(routed_experts_format="ref", ref_versions_kept=2)
-    with contextlib.ExitStack() as stack:
-        if request.param == "mooncake":
-            pytest.importorskip(
-                "mooncake.store",
-                reason="Mooncake's client is installed by `make setup`",
-            )
-            from utils.mooncake import running_master
-
-            master = stack.enter_context(running_master("mooncake-master-slices"))
-            artifact.update(
-                ref_transport="mooncake",
-                mooncake_master=master.address,
-                mooncake_segment_bytes=64 << 20,
-                mooncake_buffer_bytes=32 << 20,
-            )
-        flags = serve_flags(root, **artifact)
-        with r3_server(
-            model8, flags, root, f"test-r3-slices-{request.param}.log"
-        ) as srv:
-            srv.transport = request.param
-            yield srv
+    with ref_server(model8, request.param, "slices", ref_versions_kept=2) as srv:
+        yield srv
 
 
 def _complete(server, prompt: str, **kw) -> dict:

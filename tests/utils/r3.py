@@ -189,6 +189,37 @@ def r3_server(model, flags: list[str], root: str, log_name: str):
     assert not os.path.exists(root), "the store outlived a clean shutdown"
 
 
+@contextlib.contextmanager
+def ref_server(model, transport: str, name: str, **artifact):
+    """:func:`r3_server` serving routes by reference over ``transport``
+    (``host``, or ``mooncake`` behind a real master of its own, skipped with
+    the reason when Mooncake's client is missing); ``srv.transport`` says
+    which. ``artifact``: more ``--artifact-config`` settings."""
+    import pytest
+
+    root = shm_root()
+    artifact = dict(routed_experts_format="ref", **artifact)
+    with contextlib.ExitStack() as stack:
+        if transport == "mooncake":
+            pytest.importorskip(
+                "mooncake.store",
+                reason="Mooncake's client is installed by `make setup`",
+            )
+            from utils.mooncake import running_master
+
+            master = stack.enter_context(running_master(f"mooncake-master-{name}"))
+            artifact.update(
+                ref_transport="mooncake",
+                mooncake_master=master.address,
+                mooncake_segment_bytes=64 << 20,
+                mooncake_buffer_bytes=32 << 20,
+            )
+        flags = serve_flags(root, **artifact)
+        with r3_server(model, flags, root, f"test-r3-{name}-{transport}.log") as srv:
+            srv.transport = transport
+            yield srv
+
+
 def http_post(
     base_url: str, path: str, body: dict | None = None, timeout: float = 120
 ) -> tuple[int, dict]:
