@@ -215,6 +215,10 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
             raise RouteRefInvalidError("checksum must be 16 lowercase hex characters")
         if not _SHA256_RE.match(self.sha256):
             raise RouteRefInvalidError("sha256 must be empty or 64 lowercase hex")
+        if self.transport == "mooncake" and not self.sha256:
+            # Objects anyone who reaches the master could replace are read
+            # only against a digest no one can forge bytes to.
+            raise RouteRefInvalidError("a Mooncake reference must carry sha256")
         if self.dtype not in DTYPES:
             raise RouteRefInvalidError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.format != FORMAT:

@@ -112,6 +112,7 @@ def test_the_base_reference_is_well_formed():
         _ref_fields(key=None),
         _ref_fields(header_nbytes=100),
         _ref_fields(block_rows=0),
+        _ref_fields(transport="mooncake", location="127.0.0.1:1"),
     ],
     ids=[
         "2-d shape",
@@ -122,6 +123,7 @@ def test_the_base_reference_is_well_formed():
         "None key",
         "unaligned header",
         "no block rows",
+        "Mooncake without sha256",
     ],
 )
 def test_a_malformed_struct_is_a_typed_error(fields):
