@@ -4,6 +4,8 @@
 #   CMD="bash tests/gpu/device_run.sh" SKIP_ENV=1 TCMD=540 bash .devcarry/run.sh
 # Expects the fork's tree in /tmp/site (run.sh unpacks .devcarry/vllm_site.tgz)
 # and unpacks the pristine tree (.devcarry/base_site.tgz) into /tmp/site_base.
+# vLLM's own kernels: stage them first (tests/gpu/stage_kernels.py); on a warm
+# machine that ran another release, start the command with rm -rf /tmp/site.
 #   R3_TESTS=0        skip the tests
 #   BENCH="off fork"  settings for the benchmark (unset: no benchmark)
 #   BENCH_TAG=_b64    suffix of the benchmark's result files (several runs
@@ -13,6 +15,15 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/r3_out}
 export OUT
 T0=$(date +%s)
+# A warm machine keeps /tmp between calls: a tree of another release left
+# there would mix with this one's files (and its dist-info would name the
+# kernels the shim loads), so the pristine tree is unpacked afresh, and a
+# mixed /tmp/site (run.sh unpacks over it) stops the run.
+if [ "$(ls -d /tmp/site/vllm-*.dist-info 2>/dev/null | wc -l)" -gt 1 ]; then
+  echo "[device_run] /tmp/site holds two vLLM releases: rm -rf /tmp/site before run.sh" >&2
+  exit 2
+fi
+rm -rf /tmp/site_base
 mkdir -p /tmp/site_base && tar xzf .devcarry/base_site.tgz -C /tmp/site_base
 echo "[device_run] base tree unpacked at $(( $(date +%s) - T0 ))s"
 df -h /dev/shm | tail -1

@@ -13,6 +13,12 @@
 # Then, one device call:
 #   CMD="bash tests/gpu/device_run.sh" SKIP_ENV=1 TCMD=540 bash .devcarry/run.sh
 #
+# KERNELS=1 also stages vLLM's own kernels (issue 39): the wheel's stable-ABI
+# libraries, compressed into .cache/vllm-kernels/<version>/ (git-ignored) by
+# tests/gpu/stage_kernels.py, which prints one device call per library
+# (KERNELS=fa adds FlashAttention 3); those calls go first, to the same warm
+# machine, and the shim loads what they staged (/tmp/vllm_kernels/<version>).
+#
 # The shared harness's tools (shared/tools/gpu: run.sh, probe.py,
 # fetch_wheels.sh) are looked up in $SHARED_DIR/tools/gpu when SHARED_DIR
 # names the shared/ directory, else in shared/tools/gpu of this checkout or of
@@ -87,4 +93,9 @@ mv "$STAGE/base_carry/vllm_site.tgz" .devcarry/base_site.tgz
   --out .devcarry/models/tiny-moe --layers 3 --experts 16 --top-k 4
 install -m 0755 "$SHARED/run.sh" .devcarry/run.sh
 install -m 0644 "$SHARED/probe.py" .devcarry/probe.py
+case ${KERNELS:-0} in
+  0) ;;
+  fa) .venv/bin/python tests/gpu/stage_kernels.py pack --vllm "$VLLM" --flash-attn ;;
+  *) .venv/bin/python tests/gpu/stage_kernels.py pack --vllm "$VLLM" ;;
+esac
 du -sh .devcarry

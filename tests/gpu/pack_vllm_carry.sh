@@ -18,9 +18,11 @@
 #   vllm/ at the top of the tree, e.g. the fork's vllm_host_transport (the
 #   artifact store imports it); tests/gpu/make_carry.sh sets it.
 # Adds to the packed copy only: vllm/_C_stable_libtorch.py,
-# vllm/_moe_C_stable_libtorch.py (-> vllm_pyshim.install()),
-# vllm/vllm_flash_attn/_vllm_fa2_C.py (empty, so `import vllm.vllm_flash_attn`
-# doesn't raise; force attention_backend=TRITON_ATTN), and vllm_pyshim.py.
+# vllm/_moe_C_stable_libtorch.py (-> vllm_pyshim.install(): vLLM's own
+# stable-ABI libraries where tests/gpu/stage_kernels.py staged them on the
+# device, stand-ins for the ops still missing),
+# vllm/vllm_flash_attn/_vllm_fa{2,3}_C.py (-> vllm_pyshim.import_flash_attn),
+# and vllm_pyshim.py.
 set -euo pipefail
 SRC=$1; DIST=$2; DEST=$3; WHL=${4:-}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -47,8 +49,13 @@ find vllm -type d -empty -delete
 for m in _C_stable_libtorch _moe_C_stable_libtorch; do
   printf '# pyshim stub (no compiled extension in this tree)\nimport vllm_pyshim\n\nvllm_pyshim.install()\n' > vllm/$m.py
 done
-printf '# pyshim stub: lets vllm.vllm_flash_attn import; FA kernels are NOT available\n' \
-  > vllm/vllm_flash_attn/_vllm_fa2_C.py
+# FlashAttention: the staged library when there is one (stage_kernels.py);
+# else FA2 stays an empty module (vllm.vllm_flash_attn imports) and FA3 an
+# ImportError (vLLM reports it unavailable), as before.
+for m in _vllm_fa2_C:False _vllm_fa3_C:True; do
+  printf '# pyshim stub: vLLM'"'"'s library if staged\nimport vllm_pyshim\n\nvllm_pyshim.import_flash_attn("%s", required=%s)\n' \
+    "${m%%:*}" "${m##*:}" > "vllm/vllm_flash_attn/${m%%:*}.py"
+done
 cp "$HERE/vllm_pyshim.py" .
 if [ -d "$DIST" ]; then
   cp -a "$DIST" .

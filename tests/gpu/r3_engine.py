@@ -375,6 +375,7 @@ def run(spec: dict, out_prefix: str) -> dict:
         import vllm_pyshim as S
 
         res["shim_ops_missing"] = sorted(S._MISSING)
+        res["shim"] = S.report()  # vLLM's kernels and stand-ins, and which ran
     except ImportError:
         pass
     res["torch"] = torch.__version__

@@ -222,6 +222,7 @@ CASES["tp2_eplb"] = dict(CASES["eplb"], tp=2)
 # (largest logit gap of an exchanged pair, largest share of differing entries
 # per compared array) by numerics: TF32 Triton dots (the default) or IEEE.
 TIE_TOL = {None: (0.05, 0.01), "ieee": (1e-3, 1e-3)}
+MOE_LIBRARY = "_moe_C_stable_libtorch.abi3.so"
 FORK_CASES = [c for c, s in CASES.items() if s["tree"] == "fork"]
 # speculative case -> the non-speculative case it must agree with
 SPEC_REF = {"spec": "ref", "spec_sync": "ref", "spec_ieee": "ref_ieee"}
@@ -448,6 +449,25 @@ def test_engines_ran_on_model_runner_v2(runs):
             n = rnd.get("max_tokens", 16)
             for d in rnd["outs"]:
                 assert d["prompt_ok"] and len(d["token_ids"]) == n, (name, d)
+
+
+def test_router_ran_as_vllm_kernel_where_staged(runs):
+    """Where the wheel's stable-ABI ``_moe_C`` library was staged
+    (tests/gpu/stage_kernels.py), every engine routed through vLLM's own
+    ``topk_softmax`` kernel, never the stand-in; without it, a skip saying
+    why (the stand-ins serve)."""
+    checked = []
+    for name in _ran(runs, CASES, "engine"):
+        shim = _need(runs, name).meta.get("shim")
+        if not shim or shim["libraries"].get(MOE_LIBRARY) != "loaded":
+            continue
+        assert "_moe_C.topk_softmax" in shim["kernel_ops"], (name, shim)
+        assert "_moe_C.topk_softmax" in shim["called_kernels"], (name, shim)
+        assert "_moe_C.topk_softmax" not in shim["called_stand_ins"], (name, shim)
+        checked.append(name)
+    if not checked:
+        _skip(f"{MOE_LIBRARY} not staged on this machine: the stand-ins served")
+    _record("cases routed by vLLM's topk_softmax", {"cases": checked})
 
 
 def test_shape_dtype_and_no_error(runs):

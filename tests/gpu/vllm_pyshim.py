@@ -27,26 +27,42 @@ and ``reshape_and_cache_flash`` sends padding tokens (slot -1) to slot 0,
 which is in vLLM's null block (block 0, never handed to a request), instead
 of dropping them with a boolean mask; both of those synchronised with the
 host, which a capture refuses.
+
+vLLM's own kernels first (issue 39): the wheels' stable-ABI extensions
+(``_C_stable_libtorch.abi3.so``, ``_moe_C_stable_libtorch.abi3.so``) load on
+the device's torch. When ``tests/gpu/stage_kernels.py unpack`` has put them in
+``$VLLM_PYSHIM_KERNELS`` (default ``/tmp/vllm_kernels/<vllm version>``, the
+same tree layout as ``vllm/``), ``install()`` loads them with
+``torch.ops.load_library`` and registers a stand-in only for an op that is
+still missing, printing which ops are vLLM's kernels and which stand-ins, and
+why; the first call of each op says which of the two ran.
+``VLLM_PYSHIM_KERNELS=0`` keeps every stand-in (the fallback).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import importlib.metadata
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 _LOG_MISSING = os.environ.get("VLLM_PYSHIM_QUIET", "0") != "1"
 _CALLED: set[str] = set()
+_CALLED_KERNELS: set[str] = set()
 _MISSING: set[str] = set()
 
 
-def _note_call(name: str) -> None:
-    if name not in _CALLED:
-        _CALLED.add(name)
-        print(f"[pyshim] first call of {name}", file=sys.stderr, flush=True)
+def _note_call(name: str, kernel: bool = False) -> None:
+    called = _CALLED_KERNELS if kernel else _CALLED
+    if name not in called:
+        called.add(name)
+        what = "vLLM's kernel" if kernel else "stand-in"
+        print(f"[pyshim] first call of {name} ({what})", file=sys.stderr, flush=True)
 
 
 class _PyOp:
@@ -67,6 +83,27 @@ class _PyOp:
         return f"<pyshim op {self._qualname}>"
 
 
+class _KernelOp:
+    """A compiled op of a loaded library, as torch.ops gives it, noting its
+    first call; overloads and attributes (``.default``, ``._schema``) are the
+    real op's."""
+
+    def __init__(self, qualname, packet):
+        self._qualname = qualname
+        self._packet = packet
+        self.__name__ = qualname.split(".")[-1]
+
+    def __call__(self, *args, **kwargs):
+        _note_call(self._qualname, kernel=True)
+        return self._packet(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._packet, name)
+
+    def __repr__(self):
+        return f"<vLLM kernel {self._qualname}>"
+
+
 class _ShimNamespace:
     def __init__(self, name: str, real):
         object.__setattr__(self, "_name", name)
@@ -85,13 +122,16 @@ class _ShimNamespace:
         if op.startswith("__"):
             raise AttributeError(op)
         try:
-            return getattr(object.__getattribute__(self, "_real"), op)
+            real = getattr(object.__getattribute__(self, "_real"), op)
         except (AttributeError, RuntimeError):
             key = f"{self._name}.{op}"
             if _LOG_MISSING and key not in _MISSING:
                 _MISSING.add(key)
                 print(f"[pyshim] missing op {key}", file=sys.stderr, flush=True)
             raise AttributeError(key) from None
+        kernel = _KernelOp(f"{self._name}.{op}", real)
+        ops[op] = kernel
+        return kernel
 
     def __dir__(self):
         return sorted(self._ops)
@@ -554,6 +594,165 @@ class _PatchOnImport:
 _MSA_WARMUP = "vllm.model_executor.warmup.minimax_m3_msa_warmup"
 
 
+# ----------------------------------------------------------------------------
+# vLLM's own kernels: the wheel's stable-ABI libraries, where staged
+# ----------------------------------------------------------------------------
+
+KERNELS_ENV = "VLLM_PYSHIM_KERNELS"
+# The libraries the stand-ins' namespaces live in, relative to vllm/.
+LIBRARIES = ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so")
+LIBRARY_OF_NAMESPACE = {
+    "_C": LIBRARIES[0],
+    "_C_cache_ops": LIBRARIES[0],
+    "_C_cuda_utils": LIBRARIES[0],
+    "_moe_C": LIBRARIES[1],
+}
+# library -> "loaded", or why it is not (the reason its ops' stand-ins give)
+LIBRARY_STATUS: dict[str, str] = {}
+KERNEL_OPS: list[str] = []
+STAND_INS: dict[str, str] = {}  # op -> why it is a stand-in
+
+
+def kernels_dir() -> str | None:
+    """Where the staged libraries are: $VLLM_PYSHIM_KERNELS (``0``: none,
+    stand-ins only), else /tmp/vllm_kernels/<the vllm version on the path>."""
+    value = os.environ.get(KERNELS_ENV)
+    if value == "0":
+        return None
+    if value:
+        return value
+    try:
+        return f"/tmp/vllm_kernels/{importlib.metadata.version('vllm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def load_library(relpath: str, directory: str | None) -> str:
+    """Load one staged library with torch.ops.load_library: "loaded", or why
+    not."""
+    if directory is None:
+        return f"stand-ins only ({KERNELS_ENV}=0)"
+    path = os.path.join(directory, relpath)
+    if not os.path.isfile(path):
+        return f"not staged ({path} absent)"
+    try:
+        torch.ops.load_library(path)
+    except Exception as e:  # the reason is reported, the stand-in serves
+        return f"failed to load: {type(e).__name__}: {str(e)[:300]}"
+    return "loaded"
+
+
+def _real_has(ns: str, op: str) -> bool:
+    real = getattr(torch.ops, ns)
+    if isinstance(real, _ShimNamespace):
+        real = object.__getattribute__(real, "_real")
+    try:
+        getattr(real, op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def plan(
+    wanted: dict[str, list[str]],
+    has_kernel: Callable[[str, str], bool],
+    library_status: dict[str, str],
+) -> tuple[list[str], dict[str, str]]:
+    """Split the ops that have stand-ins (namespace -> names) into those a
+    loaded library provides and those that need their stand-in, with why."""
+    kernels, stand_ins = [], {}
+    for ns, names in wanted.items():
+        lib = LIBRARY_OF_NAMESPACE[ns]
+        status = library_status.get(lib, "not looked for")
+        for name in names:
+            qualname = f"{ns}.{name}"
+            if status == "loaded" and has_kernel(ns, name):
+                kernels.append(qualname)
+            elif status == "loaded":
+                stand_ins[qualname] = f"not in {lib}"
+            else:
+                stand_ins[qualname] = f"{lib}: {status}"
+    return kernels, stand_ins
+
+
+def report() -> dict:
+    """What this process has: libraries, kernels and stand-ins (with why),
+    and which of them were called."""
+    return {
+        "kernels_dir": kernels_dir(),
+        "libraries": dict(LIBRARY_STATUS),
+        "kernel_ops": list(KERNEL_OPS),
+        "stand_ins": dict(STAND_INS),
+        "called_kernels": sorted(_CALLED_KERNELS),
+        "called_stand_ins": sorted(_CALLED),
+        "missing": sorted(_MISSING),
+    }
+
+
+def _print_calls() -> None:
+    print(
+        f"[pyshim] ran as vLLM's kernels: {sorted(_CALLED_KERNELS)}; "
+        f"ran as stand-ins: {sorted(_CALLED)}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _stand_in_table() -> dict[str, list[tuple[str, Callable]]]:
+    c: list[tuple[str, Callable]] = [
+        (fn.__name__, fn)
+        for fn in (
+            silu_and_mul,
+            mul_and_silu,
+            gelu_and_mul,
+            gelu_tanh_and_mul,
+            silu_and_mul_with_clamp,
+            rms_norm,
+            fused_add_rms_norm,
+            rotary_embedding,
+            get_cuda_view_from_cpu_tensor,
+            weak_ref_tensor,
+            greedy_argmax,
+            vocab_parallel_embedding,
+        )
+    ]
+    c += [(q, _false) for q in _C_FALSE_QUERIES]
+    moe = [
+        (fn.__name__, fn)
+        for fn in (
+            topk_softmax,
+            topk_sigmoid,
+            moe_align_block_size,
+            moe_sum,
+            moe_permute_unpermute_supported,
+        )
+    ]
+    cache: list[tuple[str, Callable]] = [
+        ("reshape_and_cache_flash", reshape_and_cache_flash),
+        ("swap_blocks_batch", swap_blocks_batch),
+    ]
+    utils: list[tuple[str, Callable]] = [
+        (
+            "get_max_shared_memory_per_block_device_attribute",
+            get_max_shared_memory_per_block_device_attribute,
+        )
+    ]
+    return {"_C": c, "_moe_C": moe, "_C_cache_ops": cache, "_C_cuda_utils": utils}
+
+
+def import_flash_attn(name: str, required: bool) -> None:
+    """Body of the packed tree's vllm/vllm_flash_attn/<name>.py: load the
+    staged FlashAttention library; without it, raise ImportError when
+    ``required`` (FA3: vLLM then reports it unavailable, as without the
+    module) or leave an empty module (FA2, as the harness always had)."""
+    relpath = f"vllm_flash_attn/{name}.abi3.so"
+    status = load_library(relpath, kernels_dir())
+    LIBRARY_STATUS[relpath] = status
+    print(f"[pyshim] library {relpath}: {status}", file=sys.stderr, flush=True)
+    if status != "loaded" and required:
+        raise ImportError(f"{name}: {status}")
+
+
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
@@ -569,39 +768,34 @@ def install() -> None:
         _plain_gate_linear(sys.modules[_GATE_LINEAR])
     else:
         sys.meta_path.insert(0, _PatchOnImport(_GATE_LINEAR, _plain_gate_linear))
-    c = _ns("_C")
-    for fn in (
-        silu_and_mul,
-        mul_and_silu,
-        gelu_and_mul,
-        gelu_tanh_and_mul,
-        silu_and_mul_with_clamp,
-        rms_norm,
-        fused_add_rms_norm,
-        rotary_embedding,
-        get_cuda_view_from_cpu_tensor,
-        weak_ref_tensor,
-        greedy_argmax,
-        vocab_parallel_embedding,
-    ):
-        c._add(fn)
-    for q in _C_FALSE_QUERIES:
-        c._add(_false, q)
-    m = _ns("_moe_C")
-    for fn in (
-        topk_softmax,
-        topk_sigmoid,
-        moe_align_block_size,
-        moe_sum,
-        moe_permute_unpermute_supported,
-    ):
-        m._add(fn)
-    _ns("_C_cache_ops")._add(reshape_and_cache_flash)
-    _ns("_C_cache_ops")._add(swap_blocks_batch)
-    _ns("_C_cuda_utils")._add(get_max_shared_memory_per_block_device_attribute)
+    directory = kernels_dir()
+    for lib in LIBRARIES:
+        LIBRARY_STATUS[lib] = load_library(lib, directory)
+        print(f"[pyshim] library {lib}: {LIBRARY_STATUS[lib]}", file=sys.stderr)
+    table = _stand_in_table()
+    kernels, stand_ins = plan(
+        {ns: [name for name, _ in ops] for ns, ops in table.items()},
+        _real_has,
+        LIBRARY_STATUS,
+    )
+    KERNEL_OPS[:] = kernels
+    STAND_INS.clear()
+    STAND_INS.update(stand_ins)
+    for ns, ops in table.items():
+        shim_ns = _ns(ns)
+        for name, fn in ops:
+            if f"{ns}.{name}" in stand_ins:
+                shim_ns._add(fn, name)
     print(
-        "[pyshim] installed pure-torch stand-ins for vLLM compiled ops "
-        f"(torch {torch.__version__})",
+        f"[pyshim] vLLM's kernels for {len(kernels)} ops: {', '.join(kernels)}",
+        file=sys.stderr,
+    )
+    for op, why in stand_ins.items():
+        print(f"[pyshim] stand-in {op}: {why}", file=sys.stderr)
+    atexit.register(_print_calls)
+    print(
+        f"[pyshim] installed: {len(kernels)} ops as vLLM's kernels, "
+        f"{len(stand_ins)} pure-torch stand-ins (torch {torch.__version__})",
         file=sys.stderr,
         flush=True,
     )
