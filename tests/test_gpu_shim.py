@@ -103,3 +103,39 @@ def test_reshape_and_cache_flash_writes_real_slots_and_pads_into_the_null_block(
         if s not in written:
             assert not key_cache[s // bs, s % bs].any()
             assert not value_cache[s // bs, s % bs].any()
+
+
+# ------------------------------------------- vLLM's own kernels, where staged
+
+
+def test_plan_takes_the_kernel_where_the_library_has_it_else_the_stand_in():
+    """An op of a loaded library is vLLM's kernel; an op that library lacks,
+    or one whose library did not load, gets its stand-in, with the reason."""
+    status = {
+        "_C_stable_libtorch.abi3.so": "loaded",
+        "_moe_C_stable_libtorch.abi3.so": "not staged (/x absent)",
+    }
+    present = {("_C", "rms_norm")}
+    kernels, stand_ins = shim.plan(
+        {"_C": ["rms_norm", "greedy_argmax"], "_moe_C": ["topk_softmax"]},
+        lambda ns, op: (ns, op) in present,
+        status,
+    )
+    assert kernels == ["_C.rms_norm"]
+    assert stand_ins == {
+        "_C.greedy_argmax": "not in _C_stable_libtorch.abi3.so",
+        "_moe_C.topk_softmax": "_moe_C_stable_libtorch.abi3.so: not staged (/x absent)",
+    }
+
+
+def test_load_library_says_why_a_library_does_not_serve(tmp_path, monkeypatch):
+    """Stand-ins only, nothing staged, or a file that is no library: each a
+    reason, never an exception (the stand-in then serves)."""
+    assert shim.load_library("lib.so", None).startswith("stand-ins only")
+    assert shim.load_library("lib.so", str(tmp_path)).startswith("not staged")
+    (tmp_path / "lib.so").write_bytes(b"not an ELF file")
+    assert shim.load_library("lib.so", str(tmp_path)).startswith("failed to load:")
+    monkeypatch.setenv(shim.KERNELS_ENV, "0")
+    assert shim.kernels_dir() is None
+    monkeypatch.setenv(shim.KERNELS_ENV, str(tmp_path))
+    assert shim.kernels_dir() == str(tmp_path)
