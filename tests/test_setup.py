@@ -76,7 +76,17 @@ class Setup:
 
 
 def _installs(calls: list[str]) -> list[str]:
-    return [c for c in calls if c.startswith("-m pip") and " install " in c]
+    """The base's installs (megatron-core's own, without dependencies, is
+    :func:`_megatron_installs`)."""
+    return [
+        c
+        for c in calls
+        if c.startswith("-m pip") and " install " in c and " --no-deps " not in c
+    ]
+
+
+def _megatron_installs(calls: list[str]) -> list[str]:
+    return [c for c in calls if " install " in c and " --no-deps megatron-core" in c]
 
 
 @pytest.fixture
@@ -100,6 +110,10 @@ def test_next_setup_retries_the_install_then_is_idempotent(setup):
     proc, calls = setup.run()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(_installs(calls)) == 1, calls
+    # megatron-core for the replay helper's tests: its own pin, no dependencies
+    assert [c.split()[-1] for c in _megatron_installs(calls)] == [
+        "megatron-core==0.16.1"
+    ], calls
     assert not any(c.startswith("-m venv") for c in calls), "venv made again"
     assert any("install_hook.py" in c for c in calls)
     assert any("fork.py apply" in c for c in calls)
@@ -107,6 +121,7 @@ def test_next_setup_retries_the_install_then_is_idempotent(setup):
     proc, calls = setup.run()
     assert proc.returncode == 0
     assert _installs(calls) == [], "nothing changed: no second install"
+    assert _megatron_installs(calls) == []
     assert any("fork.py apply" in c for c in calls)
 
 
