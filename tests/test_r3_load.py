@@ -394,9 +394,16 @@ class Load:
         ) as r:
             if r.status_code != 200:
                 raise _Failed(f"{r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    s.add(json.loads(line[len("data: ") :]))
+            # Lines end at "\n" only: aiter_lines also splits at U+0085,
+            # U+2028 and the like, which a tiny model's raw text can hold
+            # unescaped inside a JSON string.
+            pending = b""
+            async for chunk in r.aiter_bytes():
+                *lines, pending = (pending + chunk).split(b"\n")
+                for raw in lines:
+                    line = raw.decode().rstrip("\r")
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        s.add(json.loads(line[len("data: ") :]))
         if s.error is not None:
             raise _Failed(s.error)
         return s

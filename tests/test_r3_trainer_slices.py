@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from utils.oracle import expected_r3
 from utils.r3 import PROMPTS, http_post, ref_server
+from utils.routes_consumer import Consumer
 from utils.slice_readers import check
 
 pytestmark = pytest.mark.engine
@@ -91,10 +92,15 @@ def _read_slices(tmp_path: Path, refs: list[dict], model, release: bool) -> list
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_eight_ranks_read_their_slices_at_once(server, model8, tmp_path):
-    from vllm_host_transport.routed_experts import RouteRefMissingError
-    from vllm_host_transport.routes_reader import read
+@pytest.fixture(scope="module")
+def consumer(tmp_path_factory):
+    # Reads and releases in a process of their own, never in this one.
+    c = Consumer(tmp_path_factory.mktemp("consumer"))
+    yield c
+    c.close()
 
+
+def test_eight_ranks_read_their_slices_at_once(server, consumer, model8, tmp_path):
     prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(6)]
     choices = [_complete(server, p) for p in prompts]
     inline = [
@@ -117,8 +123,7 @@ def test_eight_ranks_read_their_slices_at_once(server, model8, tmp_path):
     assert seen == set(range(8)) - set(DENSE)
     for ref in refs:
         start = time.monotonic()
-        with pytest.raises(RouteRefMissingError):
-            read(ref, timeout_s=5.0)
+        assert consumer.fetch(ref) == "RouteRefMissingError"
         assert time.monotonic() - start < 1.0
 
 
@@ -129,10 +134,7 @@ def _decode_inline(value) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(value)))
 
 
-def test_weight_versions_travel_and_old_ones_retire(server, model8):
-    from vllm_host_transport.routed_experts import RouteRefMissingError
-    from vllm_host_transport.routes_reader import read, release
-
+def test_weight_versions_travel_and_old_ones_retire(server, consumer):
     def update(version: str) -> None:
         status, out = http_post(
             server.base_url, "/update_weight_version", {"new_version": version}
@@ -143,25 +145,21 @@ def test_weight_versions_travel_and_old_ones_retire(server, model8):
     update("step-1")
     one = _complete(server, PROMPTS[2])["routed_experts_ref"]
     assert one["weight_version"] == "step-1"
-    read(old)  # two versions are kept: both still readable
+    # Two versions are kept: both still readable.
+    assert isinstance(consumer.fetch(old), np.ndarray)
     update("step-2")
     two = _complete(server, PROMPTS[3])["routed_experts_ref"]
     assert two["weight_version"] == "step-2"
     # The first version left the last two: its references go (on the
     # hand-off thread, at once).
     deadline = time.monotonic() + 10
-    while True:
-        try:
-            read(old)
-        except RouteRefMissingError:
-            break
+    while consumer.fetch(old) != "RouteRefMissingError":
         assert time.monotonic() < deadline, "old version's reference still readable"
         time.sleep(0.1)
-    read(one)
-    read(two)
+    assert isinstance(consumer.fetch(one), np.ndarray)
+    assert isinstance(consumer.fetch(two), np.ndarray)
     # The driver's release: gone for every reader, at once.
-    assert release([one, two]) == 2
+    assert consumer.release([one, two]) == 2
     for ref in (one, two):
-        with pytest.raises(RouteRefMissingError):
-            read(ref)
-    assert release([one]) == 0  # releasing twice is not an error
+        assert consumer.fetch(ref) == "RouteRefMissingError"
+    assert consumer.release([one]) == 0  # releasing twice is not an error

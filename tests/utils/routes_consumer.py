@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The trainer's side of the routes-by-reference tests: a separate process
-that imports ``vllm_host_transport.routed_experts`` (and, for Mooncake
-references, Mooncake's client) only, and fetches the references it is
-given."""
+that imports ``vllm_host_transport`` (and, for Mooncake references,
+Mooncake's client) only, and fetches or releases the references it is
+given. (A test process that joined a Mooncake master itself would keep
+that client reconnecting after the master stops, and fork with its
+threads for every later subprocess.)"""
 
 from __future__ import annotations
 
@@ -21,15 +23,17 @@ CONSUMER = r"""
 import json, sys
 import numpy as np
 from vllm_host_transport.routed_experts import RouteRefError, fetch
+from vllm_host_transport.routes_reader import release
 for line in sys.stdin:
     job = json.loads(line)
     try:
-        routes = fetch(job["ref"])
+        if "release" in job:
+            answer = {"removed": release(job["release"])}
+        else:
+            np.save(job["out"], fetch(job["ref"]))
+            answer = {"ok": True}
     except RouteRefError as e:
         answer = {"error": type(e).__name__, "message": str(e)}
-    else:
-        np.save(job["out"], routes)
-        answer = {"ok": True}
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "torch"))
     answer["loaded"] = loaded
     print(json.dumps(answer), flush=True)
@@ -69,6 +73,16 @@ class Consumer:
         routes = np.load(out)
         os.unlink(out)
         return routes
+
+    def release(self, refs: list[dict]) -> int | str:
+        """The driver's release of ``refs``: how many were removed, or the
+        name of the error."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"release": refs}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        assert answer["loaded"] == [], f"the consumer imported {answer['loaded']}"
+        return answer.get("error") or answer["removed"]
 
     def close(self) -> None:
         assert self.proc.stdin is not None
