@@ -398,6 +398,8 @@ def read(
         timeout_s=timeout_s,
         _single=True,
     )
+    if out is not None:
+        return out
     return got[0] if not layer_major else got[:, 0]
 
 
