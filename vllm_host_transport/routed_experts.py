@@ -39,14 +39,12 @@ return a partial array.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import re
 import sys
 from typing import Any
 
 import msgspec
 import numpy as np
-import xxhash  # type: ignore[import-not-found,unused-ignore]
 
 from vllm_host_transport.routes_format import FORMAT, EncodedRoutes
 
@@ -249,17 +247,6 @@ class RoutedExpertsRef(msgspec.Struct, frozen=True, kw_only=True):
     def stored_rows(self) -> int:
         rows, layers, top_k = self.shape
         return self.nbytes // (layers * top_k * np.dtype(self.dtype).itemsize)
-
-
-def checksum_hex(data: Any) -> str:
-    """The checksum a reference carries: xxh3-64 of the payload, hex."""
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def sha256_hex(data: Any) -> str:
-    """The digest a reference over Mooncake carries: SHA-256 of the
-    payload, hex."""
-    return hashlib.sha256(data).hexdigest()
 
 
 def close() -> None:

@@ -295,7 +295,7 @@ def _fetch(plans: list[_Plan], timeout_s: float) -> None:
 
 
 def _fetch_host(plan: _Plan) -> None:
-    from vllm_host_transport.discovery import HostTransportError
+    from vllm_host_transport.discovery import HostTransportError, ScopeMissingError
     from vllm_host_transport.readmany import ReadableMissingError, open_readable
 
     ref = plan.ref
@@ -304,9 +304,9 @@ def _fetch_host(plan: _Plan) -> None:
     except ReadableMissingError:
         _collect_abandoned()
         raise _missing(ref) from None
+    except ScopeMissingError:
+        raise _missing(ref) from None
     except HostTransportError as e:
-        if type(e).__name__ == "ScopeMissingError":
-            raise _missing(ref) from None
         raise RouteRefTransportError(
             f"host-transport scope {ref.location!r} cannot be used: {e}"
         ) from e
@@ -541,7 +541,7 @@ def release(
 def _release_host(
     ref: RoutedExpertsRef, reader: int | None, readers: int | None
 ) -> bool:
-    from vllm_host_transport.discovery import HostTransportError
+    from vllm_host_transport.discovery import HostTransportError, ScopeMissingError
     from vllm_host_transport.readmany import (
         ReadableMissingError,
         open_readable,
@@ -553,13 +553,11 @@ def _release_host(
             return remove_readable(ref.location, ref.key)
         with open_readable(ref.location, ref.key) as obj:
             return obj.release(reader, readers)  # type: ignore[arg-type]
-    except ReadableMissingError:
+    except (ReadableMissingError, ScopeMissingError):
         return False
     except ValueError as e:
         raise RouteRefInvalidError(str(e)) from e
     except HostTransportError as e:
-        if type(e).__name__ == "ScopeMissingError":
-            return False
         raise RouteRefTransportError(
             f"host-transport scope {ref.location!r} cannot be used: {e}"
         ) from e
